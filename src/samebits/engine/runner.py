@@ -1,0 +1,81 @@
+"""The only room that touches the device: the model, the KV cache, one step.
+
+A step turns a `ScheduledBatch` into flat tokens [T], a
+`PagedAttentionMetadata`, one forward under `batch_invariant()`, logits for the
+rows that sample, and sampled (token, log-prob) pairs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from samebits.engine.sampler import SampleRequest, sample
+from samebits.engine.scheduler import ScheduledBatch
+from samebits.model.attention import PagedAttentionMetadata
+from samebits.model.config import ModelConfig
+from samebits.numerics.batch_invariant import batch_invariant
+
+
+class ModelRunner:
+    def __init__(self, model, cfg: ModelConfig, num_blocks: int, block_size: int, device, dtype):
+        self.model = model
+        self.cfg = cfg
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.dtype = dtype
+        slots = num_blocks * block_size
+        shape = (slots, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=self.device),
+             torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(cfg.num_hidden_layers)
+        ]
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, PagedAttentionMetadata, list[int]]:
+        """-> input_ids [T], metadata, and the row in T of each chunk that samples."""
+        chunks = batch.chunks
+        r = max(c.num_tokens for c in chunks)
+        length = max(c.start + c.num_tokens for c in chunks)
+        ids, positions, slot_map, token_index, sample_rows = [], [], [], [], []
+        key_slots = torch.zeros(len(chunks), length, dtype=torch.long)
+        query_rows = torch.zeros(len(chunks), r, dtype=torch.long)
+        query_pos = torch.zeros(len(chunks), r, dtype=torch.long)
+        row = 0
+        for i, c in enumerate(chunks):
+            end = c.start + c.num_tokens
+            ids.extend(c.seq.token_ids[c.start : end])
+            positions.append(torch.arange(c.start, end))
+            slot_map.append(self._slots(c.seq.block_table, c.start, end))
+            key_slots[i, :end] = self._slots(c.seq.block_table, 0, end)
+            query_rows[i, : c.num_tokens] = torch.arange(row, row + c.num_tokens)
+            query_pos[i, : c.num_tokens] = positions[-1]
+            token_index.append(torch.arange(i * r, i * r + c.num_tokens))
+            row += c.num_tokens
+            if c.samples:
+                sample_rows.append(row - 1)
+        dev = self.device
+        meta = PagedAttentionMetadata(
+            positions=torch.cat(positions).to(dev),
+            slot_mapping=torch.cat(slot_map).to(dev),
+            key_slots=key_slots.to(dev),
+            query_rows=query_rows.to(dev),
+            query_pos=query_pos.to(dev),
+            token_index=torch.cat(token_index).to(dev),
+        )
+        return torch.tensor(ids, dtype=torch.long, device=dev), meta, sample_rows
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, reqs: list[SampleRequest]) -> list[tuple[int, float]]:
+        """One forward; (token, log-prob) for each sampling chunk, in chunk order."""
+        input_ids, meta, sample_rows = self.prepare(batch)
+        with batch_invariant():
+            hidden = self.model(input_ids, meta, self.kv_caches)  # [T, H]
+            if not sample_rows:
+                return []
+            logits = self.model.compute_logits(hidden[sample_rows])  # [N, V]
+            return sample(logits, reqs)

@@ -1,0 +1,54 @@
+"""Batch-invariant MoE experts in the transformers layout (portable torch).
+
+Tokens are grouped by expert; each expert's rows go through the row-invariant
+GEMMs of `batch_invariant()`, so a token's expert outputs never depend on which
+other tokens chose that expert. The top-k outputs of a token are weighted in
+the activation dtype (as transformers does) and summed in fp32 by a fixed
+pairwise tree, then rounded once. Built from differentiable torch ops, so the
+trainer trains through it.
+
+Shapes: T = tokens, K = top-k, E = experts, H = hidden, I = expert intermediate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from samebits.kernels.reduce import tree_sum_ref
+from samebits.numerics.batch_invariant import batch_invariant
+
+
+def experts_ref(
+    hidden_states: torch.Tensor,  # [T, H]
+    top_k_index: torch.Tensor,  # [T, K]
+    top_k_weights: torch.Tensor,  # [T, K]
+    gate_up_proj: torch.Tensor,  # [E, 2I, H], [gate; up] on dim 1
+    down_proj: torch.Tensor,  # [E, H, I]
+    act_fn: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+) -> torch.Tensor:
+    """Sum over k of `weight_k * down_e(act(gate_e(x)) * up_e(x))`, e = top_k_index[t, k] -> [T, H]."""
+    t, k = top_k_index.shape
+    h = hidden_states.shape[-1]
+    if t == 0:
+        return hidden_states.new_zeros(0, h)
+    flat = top_k_index.reshape(-1)  # [T*K]
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate_up_proj.shape[0]).tolist()
+    outs = []
+    with batch_invariant():
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = hidden_states[order[start : start + count] // k]
+            gate, up = F.linear(rows, gate_up_proj[e]).chunk(2, dim=-1)
+            outs.append(F.linear(act_fn(gate) * up, down_proj[e]))
+            start += count
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    per_slot = torch.cat(outs, dim=0)[inverse].view(t, k, h)  # [T, K, H]
+    weighted = per_slot * top_k_weights.unsqueeze(-1)
+    return tree_sum_ref(weighted.float(), dim=1).to(hidden_states.dtype)

@@ -1,0 +1,49 @@
+"""Batch-invariant matmul, portable torch version (CPU; the test oracle).
+
+Stock CPU GEMMs pick their blocking by M: the same row computed at M=1 and at
+M=5 gives different bits (measured: fp32 `torch.mm`, MKL). Here every row is
+computed inside a GEMM of one fixed shape, `(ROW_TILE, K) @ (K, N)`: the rows of
+A are copied, ROW_TILE at a time, into a fresh zero-padded fp32 buffer (fresh
+so that its alignment, which MKL's code path may depend on, is always the
+allocator's), so a row's K reduction order depends only on K and N, never on M
+or on its place in the batch. bf16 inputs are computed in fp32 and rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROW_TILE = 16
+
+
+def matmul_ref(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`a @ b (+ bias)` for a (M, K), b (K, N); each row's bits independent of M.
+
+    Accumulates in fp32 and returns a's dtype. Call it with grad mode off or
+    through the aten overrides (autograd sits above them).
+    """
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul_ref needs (M, K) @ (K, N), got {tuple(a.shape)} @ {tuple(b.shape)}")
+    m, k = a.shape
+    n = b.shape[1]
+    b32 = b if b.dtype == torch.float32 else b.to(torch.float32)
+    out32 = torch.empty(m, n, dtype=torch.float32, device=a.device)
+    for start in range(0, m, ROW_TILE):
+        rows = min(ROW_TILE, m - start)
+        tile = torch.zeros(ROW_TILE, k, dtype=torch.float32, device=a.device)
+        tile[:rows].copy_(a[start : start + rows])
+        acc = torch.empty(ROW_TILE, n, dtype=torch.float32, device=a.device)
+        torch.mm(tile, b32, out=acc)  # the out= overload: the stock kernel, never our override
+        out32[start : start + rows].copy_(acc[:rows])
+    if bias is not None:
+        out32 += bias.to(torch.float32)
+    return out32 if a.dtype == torch.float32 else out32.to(a.dtype)
+
+
+def bmm_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched `a @ b` for a (B, M, K), b (B, K, N), one `matmul_ref` per batch entry."""
+    if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0]:
+        raise ValueError(f"bmm_ref needs (B, M, K) @ (B, K, N), got {tuple(a.shape)} @ {tuple(b.shape)}")
+    if a.shape[0] == 0:
+        return a.new_empty(0, a.shape[1], b.shape[2])
+    return torch.stack([matmul_ref(a[i], b[i]) for i in range(a.shape[0])])

@@ -1,0 +1,148 @@
+"""The Qwen3-MoE decoder, written once, with transformers' parameter names.
+
+Numerics follow transformers' `modeling_qwen3_moe.py` op for op through the
+HF-order ops in `samebits.numerics.ops`; attention and experts use samebits'
+batch-invariant kernels, which the trainer's transformers model is given too.
+The model knows nothing of scheduling: it takes flat tokens [T], their
+positions and a `PagedAttentionMetadata`, and returns hidden states [T, H].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from samebits.kernels.experts import experts_ref
+from samebits.model.attention import PagedAttentionMetadata, paged_attention
+from samebits.model.config import ModelConfig
+from samebits.numerics import ops
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.variance_epsilon)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.scaling = cfg.head_dim**-0.5
+        heads, kv_heads, bias = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * cfg.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, meta: PagedAttentionMetadata, kv_cache):
+        t = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(t, -1, self.head_dim))  # [T, H, D]
+        k = self.k_norm(self.k_proj(x).view(t, -1, self.head_dim))  # [T, KVH, D]
+        v = self.v_proj(x).view(t, -1, self.head_dim)
+        q, k = ops.apply_rotary(q, k, cos, sin, 1)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scaling)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+
+    def forward(self, x):  # [T, H] -> weights [T, K], indices [T, K]
+        return ops.router(F.linear(x, self.weight), self.top_k, self.norm_topk_prob)
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x, top_k_index, top_k_weights):
+        return experts_ref(x, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.experts = Experts(cfg)
+        self.gate = Router(cfg)
+
+    def forward(self, x):
+        weights, index = self.gate(x)
+        return self.experts(x, index, weights)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = SparseMoeBlock(cfg) if cfg.is_sparse_layer(layer_idx) else MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, hidden, cos, sin, meta, kv_cache):
+        residual = hidden
+        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, meta, kv_cache)
+        residual, hidden = ops.add_rms_norm(hidden, residual, self.post_attention_layernorm.weight,
+                                            self.post_attention_layernorm.variance_epsilon)
+        return residual + self.mlp(hidden)
+
+
+class Qwen3MoeModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.register_buffer(
+            "inv_freq", ops.rotary_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False
+        )
+
+    def forward(self, input_ids, meta: PagedAttentionMetadata, kv_caches):
+        hidden = self.embed_tokens(input_ids)  # [T, H]
+        cos, sin = ops.rotary_cos_sin(hidden, meta.positions, self.inv_freq, 1.0)  # [T, D]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, meta, kv_cache)
+        return self.norm(hidden)
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    """Parameter names are transformers' (`model.layers.0.mlp.experts.gate_up_proj`, ...)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen3MoeModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, meta: PagedAttentionMetadata, kv_caches) -> torch.Tensor:
+        return self.model(input_ids, meta, kv_caches)  # [T, H]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # [N, V] in the activation dtype, as transformers

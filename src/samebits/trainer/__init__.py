@@ -1,0 +1,21 @@
+"""The transformers side: samebits experts/attention registered, teacher-forced log-probs."""
+
+from samebits.trainer.logprobs import (
+    RotaryMismatchError,
+    check_rotary_inv_freq,
+    load_hf_model,
+    reset_rotary_inv_freq,
+    token_logprobs,
+)
+from samebits.trainer.registration import register
+
+register()
+
+__all__ = [
+    "RotaryMismatchError",
+    "check_rotary_inv_freq",
+    "load_hf_model",
+    "register",
+    "reset_rotary_inv_freq",
+    "token_logprobs",
+]

@@ -1,0 +1,101 @@
+"""The trainer's side: load the transformers model and recompute token log-probs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from samebits.numerics.ops import rotary_inv_freq
+
+
+class RotaryMismatchError(RuntimeError):
+    """The model's rotary `inv_freq` is not the CPU fp32 formula's."""
+
+
+def _rotary_modules(model):
+    return [m for m in model.modules() if hasattr(m, "inv_freq") and hasattr(m, "config")]
+
+
+def _expected_inv_freq(rotary) -> torch.Tensor:
+    cfg = rotary.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    theta = cfg.rope_parameters["rope_theta"]
+    return rotary_inv_freq(head_dim, theta)
+
+
+def reset_rotary_inv_freq(model) -> None:
+    """Set every rotary `inv_freq` to the CPU fp32 formula (moved to its device)."""
+    for rotary in _rotary_modules(model):
+        expected = _expected_inv_freq(rotary).to(rotary.inv_freq.device)
+        rotary.inv_freq.copy_(expected)
+        if hasattr(rotary, "original_inv_freq"):
+            rotary.original_inv_freq.copy_(expected)
+
+
+def check_rotary_inv_freq(model) -> None:
+    """Raise `RotaryMismatchError` unless every rotary `inv_freq` equals the CPU formula."""
+    for rotary in _rotary_modules(model):
+        if rotary.inv_freq.dtype != torch.float32:
+            raise RotaryMismatchError(
+                f"rotary inv_freq is {rotary.inv_freq.dtype}, expected float32; "
+                "call samebits.trainer.reset_rotary_inv_freq(model) after casting the model"
+            )
+        if not torch.equal(rotary.inv_freq.cpu(), _expected_inv_freq(rotary)):
+            raise RotaryMismatchError(
+                "the model's rotary inv_freq differs from the CPU fp32 formula (it was probably "
+                "computed on the GPU); call samebits.trainer.reset_rotary_inv_freq(model)"
+            )
+
+
+def load_hf_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, **kwargs):
+    """A transformers model with samebits experts and attention, rotary checked."""
+    kwargs.setdefault("experts_implementation", "samebits")
+    kwargs.setdefault("attn_implementation", "samebits")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device)
+    reset_rotary_inv_freq(model)
+    model.eval()
+    return model
+
+
+def token_logprobs(
+    model,
+    sequences: Sequence[Sequence[int]],
+    prompt_lens: Sequence[int],
+    packed: bool = False,
+    temperature: float = 1.0,
+    with_grad: bool = False,
+) -> list[torch.Tensor]:
+    """Teacher-forced log-prob of every response token, one float32 tensor per sequence.
+
+    sequences[i] is prompt + response; its first prompt_lens[i] tokens are the
+    prompt. packed=False runs one forward per sequence; packed=True runs all of
+    them in one forward of shape [1, sum(len)] with positions restarting at 0
+    per sequence. Log-probs are `log_softmax(logits.float() / temperature)` at
+    the next token (temperature 0 means 1, as for greedy rollouts).
+    """
+    if len(sequences) != len(prompt_lens):
+        raise ValueError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt_lens")
+    for i, (seq, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
+        if not 1 <= p <= len(seq):
+            raise ValueError(f"sequence {i}: prompt_len {p} must be in [1, {len(seq)}]")
+    check_rotary_inv_freq(model)
+    temp = 1.0 if temperature == 0 else float(temperature)
+    device = next(model.parameters()).device
+    groups = [list(range(len(sequences)))] if packed else [[i] for i in range(len(sequences))]
+    out: list[torch.Tensor | None] = [None] * len(sequences)
+    with torch.set_grad_enabled(with_grad):
+        for group in groups:
+            ids = torch.tensor([t for i in group for t in sequences[i]], device=device)
+            pos = torch.cat([torch.arange(len(sequences[i]), device=device) for i in group])
+            logits = model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0]
+            offset = 0
+            for i in group:
+                n, p = len(sequences[i]), prompt_lens[i]
+                rows = logits[offset + p - 1 : offset + n - 1]  # [n - p, V]
+                targets = ids[offset + p : offset + n]
+                lp = torch.log_softmax(rows.float() / temp, dim=-1)
+                out[i] = lp.gather(-1, targets[:, None])[:, 0]
+                offset += n
+    return out  # type: ignore[return-value]

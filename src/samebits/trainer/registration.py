@@ -1,0 +1,70 @@
+"""samebits' experts and attention, registered into transformers' interfaces.
+
+After `register()` (done on `import samebits.trainer`), a transformers model
+loaded with `experts_implementation="samebits"` and
+`attn_implementation="samebits"` runs the same batch-invariant kernels as the
+rollout engine.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+from samebits.kernels.attention import attention_ref, varlen_attention
+from samebits.kernels.experts import experts_ref
+
+NAME = "samebits"
+
+
+def samebits_experts(self, hidden_states, top_k_index, top_k_weights):
+    """ExpertsInterface function: hidden [T, H], top_k_index/weights [T, K] -> [T, H]."""
+    if getattr(self, "has_bias", False) or getattr(self, "is_transposed", False):
+        raise NotImplementedError("samebits experts support untransposed, bias-free experts only")
+    if not getattr(self, "has_gate", True) or not getattr(self, "is_concatenated", True):
+        raise NotImplementedError("samebits experts need a concatenated [gate; up] gate_up_proj")
+    return experts_ref(
+        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn
+    )
+
+
+def samebits_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
+):
+    """AttentionInterface function: q [B, H, S, D], k/v [B, KVH, Sk, D] -> ([B, S, H, D], None).
+
+    Packed sequences are found from `position_ids` restarting (use_cache=False);
+    with a KV cache (Sk > S) the queries are the last S positions.
+    """
+    if dropout:
+        raise ValueError("samebits attention has no dropout; set attention_dropout=0")
+    if attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.all():
+        attention_mask = None
+    if attention_mask is not None:
+        raise ValueError(
+            "samebits attention takes no padding mask: pass unpadded sequences, packed with "
+            "position_ids restarting at 0 for each one"
+        )
+    scale = module.head_dim**-0.5 if scaling is None else scaling
+    q = query.transpose(1, 2)  # [B, S, H, D]
+    k = key.transpose(1, 2)  # [B, Sk, KVH, D]
+    v = value.transpose(1, 2)
+    b, s = q.shape[:2]
+    sk = k.shape[1]
+    position_ids = kwargs.get("position_ids")
+    outs = []
+    for i in range(b):
+        if sk != s or position_ids is None:
+            q_pos = torch.arange(sk - s, sk, device=q.device).view(1, s)
+            outs.append(attention_ref(q[i : i + 1], k[i : i + 1], v[i : i + 1], q_pos, scale)[0])
+        else:
+            pos = position_ids[i] if position_ids.dim() == 2 else position_ids[0, i]
+            outs.append(varlen_attention(q[i], k[i], v[i], pos, scale))
+    return torch.stack(outs), None
+
+
+def register() -> None:
+    """Register `samebits` as an experts and an attention implementation (idempotent)."""
+    ALL_EXPERTS_FUNCTIONS.register(NAME, samebits_experts)
+    AttentionInterface.register(NAME, samebits_attention)
