@@ -1,0 +1,321 @@
+"""`samebits.LLM`: the front door. Validates requests, drives schedule -> run -> postprocess."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from samebits.engine.block_manager import BlockManager
+from samebits.engine.runner import ModelRunner
+from samebits.engine.sampler import SampleRequest
+from samebits.engine.sampling_params import SamplingParams
+from samebits.engine.scheduler import Scheduler
+from samebits.engine.sequence import Sequence as Seq
+from samebits.model.config import ModelConfig
+from samebits.model.loader import load_state_dict
+from samebits.model.qwen3_moe import Qwen3MoeForCausalLM
+from samebits.numerics.ops import rotary_inv_freq
+
+NUMERICS = ("exact",)
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class RequestOutput:
+    """One finished request. `logprobs` is float32, one per generated token."""
+
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: torch.Tensor
+    finish_reason: str | None
+    num_preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine limits; each field is checked at construction."""
+
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    max_num_seqs: int = 8
+    max_model_len: int = 4096
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    numerics: str = "exact"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.numerics not in NUMERICS:
+            raise ValueError(
+                f"numerics must be one of {NUMERICS}, got {self.numerics!r} "
+                "(the 'fast' profile comes with the GPU kernels)"
+            )
+        for name in ("max_num_seqs", "max_model_len", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("max_num_batched_tokens", "num_blocks"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+        if self.num_blocks is not None and self.num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"num_blocks * block_size ({self.num_blocks} * {self.block_size}) must hold one "
+                f"sequence of max_model_len ({self.max_model_len}) tokens; raise num_blocks"
+            )
+        dev = torch.device(self.device)
+        if dev.type != "cpu":
+            raise ValueError(
+                f"device {self.device!r} is not supported yet: the exact path runs on 'cpu' "
+                "(CUDA kernels are in progress)"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def resolved_num_blocks(self) -> int:
+        per_seq = -(-self.max_model_len // self.block_size)
+        return self.num_blocks or self.max_num_seqs * per_seq
+
+    def resolved_batched_tokens(self) -> int:
+        return self.max_num_batched_tokens or max(self.max_model_len, 2048)
+
+
+class LLM:
+    """A rollout engine over a local HF Qwen3-MoE checkpoint directory.
+
+    >>> llm = LLM("ckpt", device="cpu", dtype="bfloat16", max_num_seqs=8)
+    >>> outs = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, seed=0))
+    """
+
+    def __init__(self, model: str | Path, **engine_kwargs):
+        self.engine = EngineConfig(**engine_kwargs)
+        dtype = self.engine.torch_dtype
+        self.path = Path(model)
+        self.config, state = load_state_dict(self.path, dtype=dtype)
+        if self.engine.max_model_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({self.engine.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({self.config.max_position_embeddings})"
+            )
+        self.model = _build_model(self.config, state, self.engine.device)
+        del state
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        num_blocks = self.engine.resolved_num_blocks()
+        self.runner = ModelRunner(
+            self.model, self.config, num_blocks, self.engine.block_size, self.engine.device, dtype
+        )
+        self.block_manager = BlockManager(num_blocks, self.engine.block_size)
+        self.scheduler = Scheduler(
+            self.engine.max_num_seqs,
+            self.engine.resolved_batched_tokens(),
+            self.block_manager,
+            eos_token_ids=self.config.eos_token_id,
+        )
+        self._ids = itertools.count()
+        self._rng = random.Random()
+        self._tokenizer = None
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in prompt order.
+
+        Every request is validated before anything runs; a bad one raises
+        ValueError naming its index and field, and the engine stays usable.
+        """
+        per_request = self._per_request_params(prompts, params)
+        token_lists = [self._validate(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, per_request))]
+        seqs = [self._new_seq(i, ids, sp) for i, (ids, sp) in enumerate(zip(token_lists, per_request))]
+        for seq in seqs:
+            self.scheduler.add(seq)
+        try:
+            self._run_until_done(len(seqs), progress)
+        except BaseException:
+            self.scheduler.abort_all()
+            raise
+        return [_output(s) for s in seqs]
+
+    def _per_request_params(self, prompts, params) -> list[SamplingParams]:
+        if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
+            raise TypeError("prompts must be a list of prompts (token-id lists or strings)")
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            return [params] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        for i, sp in enumerate(params):
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"request {i}: params must be a SamplingParams, got {type(sp).__name__}")
+        return params
+
+    def _validate(self, i: int, prompt, sp: SamplingParams) -> list[int]:
+        problem = sp.problem()
+        if problem:
+            raise ValueError(f"request {i}: {problem}")
+        ids = self._tokenize(i, prompt) if isinstance(prompt, str) else prompt
+        if not isinstance(ids, Sequence) or not all(_is_int(t) for t in ids):
+            raise ValueError(f"request {i}: prompt must be a list of int token ids or a str")
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError(f"request {i}: prompt is empty")
+        limit = self.engine.max_model_len
+        if len(ids) + sp.max_tokens > limit:
+            raise ValueError(
+                f"request {i}: prompt length {len(ids)} + max_tokens {sp.max_tokens} exceeds "
+                f"max_model_len {limit}"
+            )
+        vocab = self.config.vocab_size
+        for pos, t in enumerate(ids):
+            if not 0 <= t < vocab:
+                raise ValueError(
+                    f"request {i}: prompt token id {t} at position {pos} is outside the vocabulary [0, {vocab})"
+                )
+        return ids
+
+    def _tokenize(self, i: int, text: str) -> list[int]:
+        if self._tokenizer is None:
+            try:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self.path)
+            except Exception as e:  # noqa: BLE001 - any failure means: no usable tokenizer
+                raise ValueError(
+                    f"request {i}: prompt is a str but {self.path} has no usable tokenizer; "
+                    "pass token ids"
+                ) from e
+        return self._tokenizer(text)["input_ids"]
+
+    def _new_seq(self, i: int, ids: list[int], sp: SamplingParams) -> Seq:
+        seq = Seq(seq_id=next(self._ids), index=i, prompt_token_ids=ids, params=sp)
+        seq.seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
+        return seq
+
+    def _run_until_done(self, total: int, progress: bool | None) -> None:
+        show = sys.stderr.isatty() and total > 1 if progress is None else progress
+        bar = _Progress(total) if show else None
+        try:
+            while self.scheduler.has_unfinished():
+                batch = self.scheduler.schedule()
+                reqs = [self._sample_request(c.seq) for c in batch.chunks if c.samples]
+                sampled = self.runner.run(batch, reqs)
+                seqs = [c.seq for c in batch.chunks if c.samples]
+                by_id = {s.seq_id: out for s, out in zip(seqs, sampled, strict=True)}
+                finished = self.scheduler.postprocess(batch, by_id)
+                if bar:
+                    bar.advance(len(finished), batch.num_tokens)
+        finally:
+            if bar:
+                bar.close()
+
+    def _sample_request(self, seq: Seq) -> SampleRequest:
+        sp = seq.params
+        banned: tuple[int, ...] = ()
+        if seq.num_output_tokens < sp.min_tokens:
+            stops = tuple(sp.stop_token_ids or ())
+            banned = stops + (() if sp.ignore_eos else tuple(self.config.eos_token_id))
+        return SampleRequest(sp, seq.seed, seq.num_output_tokens, banned)
+
+    # -- weights ----------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy new values into parameters by HF name. All-or-nothing: every name, shape
+        and dtype is checked before any copy; on error the old weights stay."""
+        staged = list(named_tensors)
+        for name, tensor in staged:
+            if name not in self._params:
+                raise KeyError(f"update_weights: unknown parameter {name!r}")
+            p = self._params[name]
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"update_weights: {name} is a {type(tensor).__name__}, not a tensor")
+            if tuple(tensor.shape) != tuple(p.shape):
+                raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
+            if tensor.dtype != p.dtype:
+                raise ValueError(f"update_weights: {name} has dtype {tensor.dtype}, expected {p.dtype}")
+        with torch.no_grad():
+            for name, tensor in staged:
+                self._params[name].copy_(tensor)
+
+    def weight_digests(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        """sha256 hex of each named parameter's bytes (all parameters when names is None)."""
+        names = list(self._params) if names is None else list(names)
+        for name in names:
+            if name not in self._params:
+                raise KeyError(f"weight_digests: unknown parameter {name!r}")
+        return {name: tensor_digest(self._params[name]) for name in names}
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 hex of a tensor's raw bytes (dtype and shape are not hashed)."""
+    data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
+
+
+def _build_model(cfg: ModelConfig, state: dict, device: str) -> Qwen3MoeForCausalLM:
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(cfg)
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.inv_freq = rotary_inv_freq(cfg.head_dim, cfg.rope_theta)
+    model = model.to(device)
+    leftover = [n for n, p in model.named_parameters() if p.is_meta]
+    if leftover:
+        raise RuntimeError(f"parameters not loaded: {leftover[:10]}")
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def _output(seq: Seq) -> RequestOutput:
+    return RequestOutput(
+        index=seq.index,
+        prompt_token_ids=list(seq.prompt_token_ids),
+        token_ids=list(seq.output_token_ids),
+        logprobs=torch.tensor(seq.logprobs, dtype=torch.float32),
+        finish_reason=seq.finish_reason,
+        num_preemptions=seq.num_preemptions,
+    )
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class _Progress:
+    """A rich progress bar over finished requests (stderr)."""
+
+    def __init__(self, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._p = Progress(
+            TextColumn("generate"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tok]} tok"),
+            TimeElapsedColumn(), transient=True,
+        )
+        self._task = self._p.add_task("generate", total=total, tok=0)
+        self._tokens = 0
+        self._p.start()
+
+    def advance(self, finished: int, tokens: int) -> None:
+        self._tokens += tokens
+        self._p.update(self._task, advance=finished, tok=self._tokens)
+
+    def close(self) -> None:
+        self._p.stop()

@@ -1,0 +1,134 @@
+"""The rollout-vs-trainer probe behind `samebits verify`.
+
+Rollout: seq0 alone, and seq0..3 as concurrent requests. Trainer: the
+transformers model with samebits experts and attention, one sequence per
+forward and all packed into one forward, under `batch_invariant()`. Negative
+controls switch one piece of the trainer back to stock transformers
+(`grouped_mm` experts; `sdpa` attention) and must show mismatches: a check
+that cannot fail proves nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from samebits.engine.llm import LLM
+from samebits.engine.sampling_params import SamplingParams
+from samebits.numerics.batch_invariant import batch_invariant
+
+DEFAULT_PROMPT_LENS = (10, 16, 16, 24)
+
+
+@dataclass
+class ArmResult:
+    arm: str
+    seq: int
+    exact: bool  # True: must be 0 mismatches; False: a negative control, must mismatch
+    mismatches: int
+    total: int
+    first_mismatch: int | None
+    max_abs_diff: float
+
+    @property
+    def passed(self) -> bool:
+        return self.mismatches == 0 if self.exact else self.mismatches > 0
+
+
+def compare(arm: str, seq: int, exact: bool, got: torch.Tensor, want: torch.Tensor) -> ArmResult:
+    """Bitwise comparison of two float32 log-prob vectors (a length difference is a mismatch)."""
+    n = min(got.numel(), want.numel())
+    differ = got[:n] != want[:n]
+    idx = differ.nonzero()
+    first = int(idx[0]) if idx.numel() else (n if got.numel() != want.numel() else None)
+    mismatches = int(differ.sum()) + abs(got.numel() - want.numel())
+    diff = float((got[:n] - want[:n]).abs().max()) if n else 0.0
+    return ArmResult(arm, seq, exact, mismatches, max(got.numel(), want.numel()), first, diff)
+
+
+def make_prompts(prompt_lens, vocab_size: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab_size, (n,), generator=g).tolist() for n in prompt_lens]
+
+
+def _trainer_logprobs(path, device, dtype, seqs, prompt_lens, packed, **impl):
+    from samebits import trainer
+
+    model = trainer.load_hf_model(path, device=device, dtype=dtype, **impl)
+    with batch_invariant():
+        return trainer.token_logprobs(model, seqs, prompt_lens, packed=packed, temperature=1.0)
+
+
+def run(
+    model: str | Path | None = None,
+    device: str = "cpu",
+    dtype: str = "bfloat16",
+    tokens: int = 32,
+    seed: int = 0,
+    prompt_lens=DEFAULT_PROMPT_LENS,
+    log=print,
+) -> list[ArmResult]:
+    """Run the probe matrix; returns one ArmResult per (arm, sequence)."""
+    if model is None:
+        from samebits.model.tiny import tiny_checkpoint_cache
+
+        model = tiny_checkpoint_cache(seed=seed)
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    max_len = max(prompt_lens) + tokens
+    llm = LLM(model, device=device, dtype=dtype, max_num_seqs=8, max_model_len=max_len)
+    prompts = make_prompts(prompt_lens, llm.config.vocab_size, seed)
+    params = [
+        SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=tokens, ignore_eos=True, seed=seed + i)
+        for i in range(len(prompts))
+    ]
+    log(f"rollout: seq0 alone, then {len(prompts)} concurrent requests, {tokens} tokens each")
+    alone = llm.generate(prompts[:1], params[:1])[0]
+    batched = llm.generate(prompts, params)
+    seqs = [o.prompt_token_ids + o.token_ids for o in batched]
+    plens = [len(o.prompt_token_ids) for o in batched]
+    rollout = [o.logprobs for o in batched]
+
+    results = [compare("rollout alone vs batched", 0, True, alone.logprobs, rollout[0])]
+    if alone.token_ids != batched[0].token_ids:
+        results[-1].mismatches = max(results[-1].mismatches, 1)
+    arms = [
+        ("trainer one-at-a-time", True, False, {}),
+        ("trainer packed", True, True, {}),
+        ("NEG grouped_mm experts, packed", False, True, {"experts_implementation": "grouped_mm"}),
+        ("NEG sdpa attention, packed", False, True, {"attn_implementation": "sdpa"}),
+    ]
+    for name, exact, packed, impl in arms:
+        log(f"trainer: {name}")
+        lps = _trainer_logprobs(model, device, torch_dtype, seqs, plens, packed, **impl)
+        results += [compare(name, i, exact, lps[i], rollout[i]) for i in range(len(seqs))]
+    return results
+
+
+def passed(results: list[ArmResult]) -> bool:
+    """Every exact arm 0 mismatches; every negative-control arm (summed over seqs) some."""
+    exact_ok = all(r.mismatches == 0 for r in results if r.exact)
+    neg_arms = {r.arm for r in results if not r.exact}
+    neg_ok = all(sum(r.mismatches for r in results if r.arm == a) > 0 for a in neg_arms)
+    return exact_ok and neg_ok
+
+
+def print_table(results: list[ArmResult]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="samebits verify: rollout log-probs vs trainer recompute (torch.equal per token)")
+    for col in ("arm", "seq", "kind", "mismatches", "first", "max |diff|"):
+        table.add_column(col)
+    for r in results:
+        kind = "exact" if r.exact else "negative control"
+        table.add_row(r.arm, str(r.seq), kind, f"{r.mismatches}/{r.total}",
+                      "-" if r.first_mismatch is None else str(r.first_mismatch), f"{r.max_abs_diff:.3g}")
+    Console().print(table)
+
+
+def write_json(results: list[ArmResult], path: str | Path) -> None:
+    doc = {"passed": passed(results), "arms": [asdict(r) | {"passed": r.passed} for r in results]}
+    Path(path).write_text(json.dumps(doc, indent=2))

@@ -1,0 +1,143 @@
+"""Batch invariance of the portable kernels: a row alone equals the same row in a batch, bitwise.
+
+Each property has a negative control showing the stock kernel (or a wrong
+variant) does differ, so the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from samebits.kernels.attention import attention_ref, varlen_attention
+from samebits.kernels.experts import experts_ref
+from samebits.kernels.matmul import matmul_ref
+from samebits.kernels.reduce import tree_sum_ref
+from samebits.kernels.softmax import log_softmax_ref
+from samebits.numerics.batch_invariant import batch_invariant
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _g(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_tree_sum_is_independent_of_padding_width():
+    x = torch.randn(5, 37, generator=_g(0))
+    ref = tree_sum_ref(x, -1)
+    for extra in (1, 27, 91, 219):
+        padded = torch.cat([x, torch.full((5, extra), -0.0)], dim=-1)
+        assert torch.equal(tree_sum_ref(padded, -1), ref)
+    # negative control: padding with +0.0 changes the sign of an all -0.0 row
+    z = torch.full((1, 3), -0.0)
+    assert torch.signbit(tree_sum_ref(z, -1)).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k,n", [(40, 56), (96, 384), (160, 96)])
+def test_matmul_row_alone_equals_row_in_batch(dtype, k, n):
+    b = torch.randn(k, n, generator=_g(1)).to(dtype)
+    a = torch.randn(37, k, generator=_g(2)).to(dtype)
+    full = matmul_ref(a, b)
+    for m in (1, 2, 5, 16, 17, 33):  # the same rows at different M and offsets
+        for start in (0, 37 - m):
+            assert torch.equal(matmul_ref(a[start : start + m], b), full[start : start + m])
+    for row in range(37):
+        assert torch.equal(matmul_ref(a[row : row + 1], b)[0], full[row])
+
+
+def test_matmul_negative_control_stock_fp32_mm_varies_with_m():
+    """Measured: stock CPU fp32 mm gives a row different bits at M=1 and M>=2."""
+    b = torch.randn(96, 384, generator=_g(3))
+    a = torch.randn(8, 96, generator=_g(4))
+    differs = [not torch.equal(torch.mm(a[i : i + 1], b)[0], torch.mm(a, b)[i]) for i in range(8)]
+    assert any(differs)
+
+
+def test_batch_invariant_mode_routes_linear_through_the_kernel():
+    w = torch.randn(384, 96, generator=_g(5))
+    x = torch.randn(8, 96, generator=_g(6))
+    with batch_invariant():
+        rows = [torch.nn.functional.linear(x[i : i + 1], w)[0] for i in range(8)]
+        batch = torch.nn.functional.linear(x, w)
+        mean = x.mean(-1)
+        lsm = torch.log_softmax(x, -1)
+    assert all(torch.equal(r, batch[i]) for i, r in enumerate(rows))
+    assert torch.equal(batch, matmul_ref(x, w.t()))
+    assert torch.equal(lsm, log_softmax_ref(x, -1))
+    assert torch.equal(mean, tree_sum_ref(x, -1) / 96)
+    # outside the mode the stock kernel is back (and it is batch-variant here)
+    stock = torch.nn.functional.linear(x, w)
+    assert any(not torch.equal(torch.nn.functional.linear(x[i : i + 1], w)[0], stock[i]) for i in range(8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_log_softmax_row_invariant(dtype):
+    x = (4 * torch.randn(9, 301, generator=_g(7))).to(dtype)
+    full = log_softmax_ref(x, -1, torch.float32)
+    for i in range(9):
+        assert torch.equal(log_softmax_ref(x[i : i + 1], -1, torch.float32)[0], full[i])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 2), (8, 2)])
+def test_attention_same_bits_packed_chunked_and_decode(dtype, heads, kv_heads):
+    d, n = 24, 29
+    q = torch.randn(n, heads, d, generator=_g(8)).to(dtype)
+    k = torch.randn(n, kv_heads, d, generator=_g(9)).to(dtype)
+    v = torch.randn(n, kv_heads, d, generator=_g(10)).to(dtype)
+    scale = d**-0.5
+    # packed with another sequence in front
+    other = 11
+    qp = torch.cat([torch.randn(other, heads, d, generator=_g(11)).to(dtype), q])
+    kp = torch.cat([torch.randn(other, kv_heads, d, generator=_g(12)).to(dtype), k])
+    vp = torch.cat([torch.randn(other, kv_heads, d, generator=_g(13)).to(dtype), v])
+    pos = torch.cat([torch.arange(other), torch.arange(n)])
+    packed = varlen_attention(qp, kp, vp, pos, scale)[other:]
+    alone = varlen_attention(q, k, v, torch.arange(n), scale)
+    assert torch.equal(packed, alone)
+    # decode: one query at a time over its prefix, keys padded to a longer batch width
+    for t in (0, 1, 7, n - 1):
+        pad = 40 - (t + 1)
+        kk = torch.cat([k[: t + 1], torch.randn(pad, kv_heads, d, generator=_g(t)).to(dtype)])
+        vv = torch.cat([v[: t + 1], torch.randn(pad, kv_heads, d, generator=_g(t + 1)).to(dtype)])
+        out = attention_ref(q[None, t : t + 1], kk[None], vv[None], torch.tensor([[t]]), scale)
+        assert torch.equal(out[0, 0], alone[t])
+    # chunked prefill: rows 13..28 over keys 0..28
+    chunk = attention_ref(q[None, 13:], k[None], v[None], torch.arange(13, n)[None], scale)
+    assert torch.equal(chunk[0], alone[13:])
+
+
+def test_attention_negative_control_sdpa_differs():
+    d, n, h = 24, 29, 4
+    q, k, v = (torch.randn(1, h, n, d, generator=_g(s)).bfloat16() for s in (14, 15, 16))
+    ours = attention_ref(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), torch.arange(n)[None], d**-0.5)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    assert not torch.equal(ours, sdpa)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("experts,top_k", [(6, 2), (5, 1), (7, 4)])
+def test_experts_token_alone_equals_token_in_batch(dtype, experts, top_k):
+    h, i, t = 40, 24, 19
+    gu = (0.1 * torch.randn(experts, 2 * i, h, generator=_g(17))).to(dtype)
+    dn = (0.1 * torch.randn(experts, h, i, generator=_g(18))).to(dtype)
+    x = torch.randn(t, h, generator=_g(19)).to(dtype)
+    idx = torch.stack([torch.randperm(experts, generator=_g(20 + j))[:top_k] for j in range(t)])
+    w = torch.softmax(torch.randn(t, top_k, generator=_g(40)), -1).to(dtype)
+    full = experts_ref(x, idx, w, gu, dn)
+    for j in range(t):
+        assert torch.equal(experts_ref(x[j : j + 1], idx[j : j + 1], w[j : j + 1], gu, dn)[0], full[j])
+
+
+def test_experts_have_a_backward():
+    h, i, e, t, k = 16, 8, 4, 6, 2
+    gu = torch.randn(e, 2 * i, h, requires_grad=True)
+    dn = torch.randn(e, h, i, requires_grad=True)
+    x = torch.randn(t, h, requires_grad=True)
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2], [0, 3], [3, 1], [2, 0]])
+    w = torch.rand(t, k, requires_grad=True)
+    experts_ref(x, idx, w, gu, dn).square().sum().backward()
+    for p in (gu, dn, x, w):
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
