@@ -2,9 +2,12 @@
 
 Tokens are grouped by expert; each expert's rows go through the row-invariant
 GEMMs of `batch_invariant()`, so a token's expert outputs never depend on which
-other tokens chose that expert. The top-k outputs of a token are weighted in
-the activation dtype (as transformers does) and summed in fp32 by a fixed
-pairwise tree, then rounded once. Built from differentiable torch ops, so the
+other tokens chose that expert. gate_up and `act(gate) * up` round in the
+activation dtype as transformers does; the down projection stays in fp32, is
+weighted in fp32 and the top-k slots are summed in fp32 by a fixed pairwise
+tree, rounded once at the end: what a fused GPU kernel does, and one rounding
+fewer than transformers' `grouped_mm` path (which is why that path is the
+negative control). Built from differentiable torch ops, so the
 trainer trains through it.
 
 Shapes: T = tokens, K = top-k, E = experts, H = hidden, I = expert intermediate.
@@ -30,6 +33,11 @@ def experts_ref(
     act_fn: Callable[[torch.Tensor], torch.Tensor] = F.silu,
 ) -> torch.Tensor:
     """Sum over k of `weight_k * down_e(act(gate_e(x)) * up_e(x))`, e = top_k_index[t, k] -> [T, H]."""
+    if top_k_index.shape != top_k_weights.shape or hidden_states.shape[0] != top_k_index.shape[0]:
+        raise ValueError(
+            f"experts: hidden {tuple(hidden_states.shape)}, top_k_index {tuple(top_k_index.shape)} "
+            f"and top_k_weights {tuple(top_k_weights.shape)} disagree"
+        )
     t, k = top_k_index.shape
     h = hidden_states.shape[-1]
     if t == 0:
@@ -45,10 +53,11 @@ def experts_ref(
                 continue
             rows = hidden_states[order[start : start + count] // k]
             gate, up = F.linear(rows, gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(F.linear(act_fn(gate) * up, down_proj[e]))
+            hidden = act_fn(gate) * up  # [n, I] activation dtype
+            outs.append(F.linear(hidden.float(), down_proj[e].float()))  # [n, H] fp32
             start += count
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    per_slot = torch.cat(outs, dim=0)[inverse].view(t, k, h)  # [T, K, H]
-    weighted = per_slot * top_k_weights.unsqueeze(-1)
-    return tree_sum_ref(weighted.float(), dim=1).to(hidden_states.dtype)
+    per_slot = torch.cat(outs, dim=0)[inverse].view(t, k, h)  # [T, K, H] fp32
+    weighted = per_slot * top_k_weights.float().unsqueeze(-1)
+    return tree_sum_ref(weighted, dim=1).to(hidden_states.dtype)

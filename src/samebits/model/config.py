@@ -88,7 +88,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            num_experts=d.get("num_experts", 0),
+            num_experts=d.get("num_experts", d.get("num_local_experts", 0)) or 0,
             num_experts_per_tok=d.get("num_experts_per_tok", 0),
             norm_topk_prob=bool(d.get("norm_topk_prob", True)),
             decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,

@@ -1,0 +1,59 @@
+"""The object that travels from scheduler to runner: one request's state."""
+
+from __future__ import annotations
+
+import enum
+
+from samebits.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request: prompt + generated tokens, their log-probs, its cache blocks."""
+
+    def __init__(self, seq_id: int, index: int, prompt_token_ids: list[int], params: SamplingParams):
+        self.seq_id = seq_id
+        self.index = index  # position in the caller's prompt list
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt + generated
+        self.logprobs: list[float] = []
+        self.params = params
+        self.seed = 0 if params.seed is None else params.seed
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, logprob: float) -> None:
+        self.token_ids.append(token_id)
+        self.logprobs.append(logprob)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, status={self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")
