@@ -193,7 +193,10 @@ class LLM:
 
     def _tokenize(self, i: int, text: str) -> list[int]:
         if self._tokenizer is None:
+            has_files = any((self.path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
             try:
+                if not has_files:
+                    raise FileNotFoundError("no tokenizer.json or tokenizer_config.json")
                 from transformers import AutoTokenizer
 
                 self._tokenizer = AutoTokenizer.from_pretrained(self.path)

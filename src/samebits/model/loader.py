@@ -2,15 +2,19 @@
 
 Accepts one `model.safetensors` or shards listed by `model.safetensors.index.json`;
 experts fused (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
-[E, H, I]) or per expert (`mlp.experts.N.{gate,up,down}_proj.weight`), which are
-stacked layer by layer; bf16 or fp32. Anything else is refused by name.
+[E, H, I]) or per expert (`mlp.experts.N.{gate,up,down}_proj.weight`, the layout
+transformers 5.x `save_pretrained` writes by default), stacked layer by layer.
+
+Every name, shape and dtype is checked from the safetensors headers before any
+tensor is read, so a bad checkpoint is refused at once and by name.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,168 +22,299 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from samebits.model.config import ModelConfig, UnsupportedCheckpointError
+from samebits.progress import maybe_progress
 
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight -> (layer prefix, e, kind)
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-_IGNORED = re.compile(r"(rotary_emb\.inv_freq|rotary_emb\.original_inv_freq)$")
-_FLOAT_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+_IGNORED = re.compile(r"rotary_emb\.(original_)?inv_freq$")  # buffers some exporters save
+_QUANT_NAME = re.compile(
+    r"\.(qweight|qzeros|scales|g_idx|weight_scale|weight_scale_inv|input_scale|absmax|quant_map|SCB)$"
+)
+_FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+_LIST_LIMIT = 10
+
+
+@dataclass(frozen=True)
+class _OnDisk:
+    """One tensor as the safetensors header describes it (nothing read yet)."""
+
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors spelling: "BF16", "F32", "I8", "F8_E4M3", ...
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the model with its shape (fused experts; lm_head even when tied)."""
+    """Every tensor of the model with its shape, in HF state_dict order.
+
+    Fused experts layout; `lm_head.weight` is listed even when tied.
+    """
     h, d, v = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
-                                          "lm_head.weight": (v, h)}
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                   p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
-        if cfg.attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (h,)}
+        for proj, (rows, cols) in {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q)}.items():
+            shapes[f"{p}self_attn.{proj}_proj.weight"] = (rows, cols)
+            if cfg.attention_bias:
+                shapes[f"{p}self_attn.{proj}_proj.bias"] = (rows,)
+        shapes[p + "self_attn.q_norm.weight"] = (d,)
+        shapes[p + "self_attn.k_norm.weight"] = (d,)
         if cfg.is_sparse_layer(i):
             e, inter = cfg.num_experts, cfg.moe_intermediate_size
-            shapes |= {p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_up_proj": (e, 2 * inter, h),
-                       p + "mlp.experts.down_proj": (e, h, inter)}
+            shapes[p + "mlp.experts.gate_up_proj"] = (e, 2 * inter, h)
+            shapes[p + "mlp.experts.down_proj"] = (e, h, inter)
+            shapes[p + "mlp.gate.weight"] = (e, h)
         else:
             inter = cfg.intermediate_size
-            shapes |= {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-                       p + "mlp.down_proj.weight": (h, inter)}
+            shapes[p + "mlp.gate_proj.weight"] = (inter, h)
+            shapes[p + "mlp.up_proj.weight"] = (inter, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, inter)
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+    shapes["model.norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (v, h)
     return shapes
 
 
-def _weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [n for n in names if not (path / n).is_file()]
-        if missing:
-            raise UnsupportedCheckpointError(f"shards listed in {index.name} are missing: {missing}")
-        return [path / n for n in names]
-    single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
-        raise UnsupportedCheckpointError(
-            f"{path} holds PyTorch .bin weights; samebits reads safetensors: re-save with "
-            "save_pretrained(safe_serialization=True)"
-        )
-    raise UnsupportedCheckpointError(f"no model.safetensors or model.safetensors.index.json in {path}")
+def load_state_dict(
+    path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read `config.json` and the safetensors weights of a checkpoint directory.
 
-
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    from samebits.progress import maybe_progress
-
-    for f in maybe_progress(files, "loading shards"):
-        with safe_open(str(f), framework="pt") as fh:
-            for name in fh.keys():
-                yield name, fh.get_tensor(name)
-
-
-def _listing(names, limit: int = 10) -> str:
-    names = sorted(names)
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
-
-
-def load_state_dict(path: str | Path, dtype: torch.dtype | None = None,
-                    device: str | torch.device = "cpu") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read config.json and the safetensors weights; validate names, shapes and dtypes."""
+    Returns the config and the tensors under the names of `expected_shapes(cfg)`, all of
+    one dtype (`dtype`, else the checkpoint's; a checkpoint mixing dtypes gets the one
+    config.json declares) on `device`. With tied embeddings `lm_head.weight` is the same
+    tensor object as `model.embed_tokens.weight`. Raises UnsupportedCheckpointError naming
+    the tensors when anything is missing, unexpected, mis-shaped or not a float.
+    """
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     cfg = ModelConfig.from_pretrained(path)
-    shapes = expected_shapes(cfg)
-    state: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
-    unexpected = []
-    for name, t in _iter_tensors(_weight_files(path)):
-        if _IGNORED.search(name):
-            continue
-        if not t.is_floating_point() or t.dtype not in _FLOAT_DTYPES or name.endswith(("qweight", "scales", "qzeros")):
-            raise UnsupportedCheckpointError(
-                f"tensor {name} is {t.dtype}: quantised or integer weights are not supported; "
-                "use the bf16 or fp32 checkpoint"
-            )
-        t = t.to(device=device, dtype=dtype) if dtype is not None else t.to(device)
-        m = _PER_EXPERT.match(name)
-        if m:
-            experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
-            if len(experts[m.group(1)]) == 3 * cfg.num_experts:
-                state |= _stack_experts(m.group(1), experts.pop(m.group(1)), cfg)
-        elif name in shapes:
-            state[name] = t
-        else:
-            unexpected.append(name)
-    for prefix, parts in experts.items():
-        have = {e for e, _ in parts}
-        lost = [f"{prefix}.{e}.{k}_proj.weight" for e in range(cfg.num_experts) for k in ("gate", "up", "down")
-                if (e, k) not in parts]
-        if prefix + ".gate_up_proj" in shapes:
-            raise UnsupportedCheckpointError(f"missing expert tensors: {_listing(lost)} (have experts {sorted(have)})")
-        unexpected += [f"{prefix}.{e}.{k}_proj.weight" for e, k in parts]
-    if cfg.tie_word_embeddings and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    _check(state, shapes, unexpected)
-    dtypes = {t.dtype for t in state.values()}
-    if len(dtypes) > 1:
-        raise UnsupportedCheckpointError(
-            f"checkpoint mixes dtypes {sorted(map(str, dtypes))}; pass dtype= to cast them to one"
-        )
+    files = _weight_files(path)
+    on_disk = {n: t for n, t in _read_headers(files).items() if not _IGNORED.search(n)}
+    _refuse_quantised(on_disk)
+    per_expert = {m.group(1) for n in on_disk if (m := _PER_EXPERT.match(n))}
+    _check_names_and_shapes(cfg, on_disk, _disk_shapes(cfg, per_expert))
+    target = dtype or _checkpoint_dtype(cfg, on_disk)
+    with ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in files}
+        state = _read_all(cfg, on_disk, handles, per_expert, target, device, many=len(files) > 1)
     return cfg, state
 
 
-def _stack_experts(prefix: str, parts: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    e_range = range(cfg.num_experts)
-    inter, h = cfg.moe_intermediate_size, cfg.hidden_size
-    for (e, kind), t in parts.items():
-        want = (h, inter) if kind == "down" else (inter, h)
-        if tuple(t.shape) != want:
+def _weight_files(path: Path) -> list[Path]:
+    """The safetensors files, in the order transformers looks for them."""
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    index = path / INDEX_FILE
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        lost = [s for s in shards if not (path / s).is_file()]
+        if lost:
             raise UnsupportedCheckpointError(
-                f"tensor {prefix}.{e}.{kind}_proj.weight has shape {tuple(t.shape)}, expected {want}"
+                f"{len(lost)} shard(s) listed in {INDEX_FILE} are missing from {path}: "
+                f"{_listing(lost)}; re-download the checkpoint"
             )
-    gate_up = torch.stack([torch.cat([parts[(e, "gate")], parts[(e, "up")]], dim=0) for e in e_range])
-    down = torch.stack([parts[(e, "down")] for e in e_range])
-    return {prefix + ".gate_up_proj": gate_up, prefix + ".down_proj": down}
+        return [path / s for s in shards]
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+        raise UnsupportedCheckpointError(
+            f"{path} holds PyTorch .bin/.pt weights; samebits reads safetensors only: "
+            "re-save with save_pretrained()"
+        )
+    raise UnsupportedCheckpointError(f"no weight files found: neither {SINGLE_FILE} nor {INDEX_FILE} in {path}")
 
 
-def _check(state: dict, shapes: dict, unexpected: list[str]) -> None:
-    if unexpected:
-        raise UnsupportedCheckpointError(f"unexpected tensors in checkpoint: {_listing(unexpected)}")
-    missing = [n for n in shapes if n not in state]
-    if missing:
-        raise UnsupportedCheckpointError(f"missing tensors in checkpoint: {_listing(missing)}")
-    bad = [f"{n} (expected {shapes[n]}, got {tuple(t.shape)})" for n, t in state.items()
-           if tuple(t.shape) != shapes[n]]
+def _read_headers(files: list[Path]) -> dict[str, _OnDisk]:
+    out: dict[str, _OnDisk] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                if name in out:
+                    raise UnsupportedCheckpointError(
+                        f"tensor {name} is stored twice, in {out[name].file.name} and {f.name}"
+                    )
+                sl = fh.get_slice(name)
+                out[name] = _OnDisk(f, tuple(sl.get_shape()), sl.get_dtype())
+    return out
+
+
+def _refuse_quantised(on_disk: dict[str, _OnDisk]) -> None:
+    bad = [f"{n} ({t.dtype})" for n, t in on_disk.items() if t.dtype not in _FLOAT_DTYPES]
+    bad += [n for n, t in on_disk.items() if t.dtype in _FLOAT_DTYPES and _QUANT_NAME.search(n)]
     if bad:
-        raise UnsupportedCheckpointError(f"mis-shaped tensors: {_listing(bad)}")
+        raise UnsupportedCheckpointError(
+            f"{len(bad)} integer or quantised tensor(s) are not supported: {_listing(bad)}; "
+            "use the bf16 or fp32 weights"
+        )
 
 
-def save_state_dict(cfg_dict: dict, state: dict[str, torch.Tensor], path: str | Path,
-                    max_shard_bytes: int | None = None) -> Path:
-    """Write config.json and safetensors (sharded with an index when max_shard_bytes is set)."""
+def _disk_shapes(cfg: ModelConfig, per_expert: set[str]) -> dict[str, tuple[int, ...]]:
+    """expected_shapes, with the per-expert names for the layers stored that way."""
+    shapes = expected_shapes(cfg)
+    inter, h = cfg.moe_intermediate_size, cfg.hidden_size
+    for prefix in per_expert:
+        if shapes.pop(prefix + ".gate_up_proj", None) is None:
+            continue  # a dense layer: its expert tensors stay unexpected
+        del shapes[prefix + ".down_proj"]
+        for e in range(cfg.num_experts):
+            shapes[f"{prefix}.{e}.gate_proj.weight"] = (inter, h)
+            shapes[f"{prefix}.{e}.up_proj.weight"] = (inter, h)
+            shapes[f"{prefix}.{e}.down_proj.weight"] = (h, inter)
+    return shapes
+
+
+def _check_names_and_shapes(cfg: ModelConfig, on_disk: dict[str, _OnDisk], shapes: dict) -> None:
+    missing = [n for n in shapes if n not in on_disk]
+    if cfg.tie_word_embeddings and "lm_head.weight" in missing:
+        missing.remove("lm_head.weight")
+    experts = [n for n in missing if _PER_EXPERT.match(n)]
+    if experts:
+        raise UnsupportedCheckpointError(
+            f"per-expert layout is missing {len(experts)} expert tensor(s): {_listing(experts)}; "
+            f"config.json says num_experts={cfg.num_experts}"
+        )
+    if missing:
+        raise UnsupportedCheckpointError(
+            f"{len(missing)} tensor(s) missing from the checkpoint: {_listing(missing)}"
+        )
+    unexpected = [n for n in on_disk if n not in shapes]
+    if unexpected:
+        raise UnsupportedCheckpointError(
+            f"{len(unexpected)} unexpected tensor(s) in the checkpoint: {_listing(unexpected)}; "
+            "is it a Qwen3-MoE checkpoint matching its config.json?"
+        )
+    bad = [
+        f"{n}: expected {shapes[n]}, got {t.shape}"
+        for n, t in on_disk.items()
+        if t.shape != shapes[n]
+    ]
+    if bad:
+        raise UnsupportedCheckpointError(f"{len(bad)} mis-shaped tensor(s): {_listing(bad)}")
+
+
+def _checkpoint_dtype(cfg: ModelConfig, on_disk: dict[str, _OnDisk]) -> torch.dtype:
+    found = {_FLOAT_DTYPES[t.dtype] for t in on_disk.values()}
+    if len(found) == 1:
+        return found.pop()
+    declared = getattr(torch, cfg.torch_dtype.removeprefix("torch."), None)
+    if declared in found:
+        return declared
+    raise UnsupportedCheckpointError(
+        f"checkpoint mixes dtypes {sorted(map(str, found))} and config.json declares "
+        f"{cfg.torch_dtype!r}; pass dtype= to cast them to one"
+    )
+
+
+def _read_all(
+    cfg: ModelConfig,
+    on_disk: dict[str, _OnDisk],
+    handles: dict,
+    per_expert: set[str],
+    dtype: torch.dtype,
+    device: str | torch.device,
+    many: bool,
+) -> dict[str, torch.Tensor]:
+    def read(name: str) -> torch.Tensor:
+        return handles[on_disk[name].file].get_tensor(name).to(device=device, dtype=dtype)
+
+    names = list(expected_shapes(cfg))
+    state: dict[str, torch.Tensor] = {}
+    for name in maybe_progress(names, "loading weights") if many else names:
+        prefix, _, part = name.rpartition(".")
+        if prefix in per_expert and part in ("gate_up_proj", "down_proj"):
+            state[name] = _stack_experts(cfg, prefix, part, read, device, dtype)
+        elif name == "lm_head.weight" and cfg.tie_word_embeddings:
+            state[name] = state["model.embed_tokens.weight"]
+            if name in on_disk:
+                _check_tied(read(name), state[name])
+        else:
+            state[name] = read(name)
+    return state
+
+
+def _stack_experts(cfg, prefix, part, read, device, dtype) -> torch.Tensor:
+    """Fill one layer's fused tensor expert by expert: gate_up[e] = [gate_e; up_e] on dim 0."""
+    e_count, inter, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    if part == "down_proj":
+        out = torch.empty(e_count, h, inter, dtype=dtype, device=device)  # [E, H, I]
+        for e in range(e_count):
+            out[e] = read(f"{prefix}.{e}.down_proj.weight")
+        return out
+    out = torch.empty(e_count, 2 * inter, h, dtype=dtype, device=device)  # [E, 2I, H]
+    for e in range(e_count):
+        out[e, :inter] = read(f"{prefix}.{e}.gate_proj.weight")
+        out[e, inter:] = read(f"{prefix}.{e}.up_proj.weight")
+    return out
+
+
+def _check_tied(head: torch.Tensor, embed: torch.Tensor) -> None:
+    if not torch.equal(head, embed):
+        raise UnsupportedCheckpointError(
+            "tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight; "
+            "fix tie_word_embeddings in config.json"
+        )
+
+
+def _listing(items: list[str]) -> str:
+    more = f" (and {len(items) - _LIST_LIMIT} more)" if len(items) > _LIST_LIMIT else ""
+    return ", ".join(items[:_LIST_LIMIT]) + more
+
+
+def save_state_dict(
+    cfg_dict: dict,
+    state: dict[str, torch.Tensor],
+    path: str | Path,
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """Write `config.json` and the tensors as safetensors, as given (names unchanged).
+
+    One `model.safetensors`, or shards of at most `max_shard_bytes` (a larger tensor gets
+    a shard of its own) with a `model.safetensors.index.json`. A tied `lm_head.weight`
+    (sharing storage with the embedding) is left out, as transformers does. Weight files
+    of an earlier save in `path` are removed first so the two cannot mix.
+    """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg_dict, indent=2))
-    tensors = {n: t.detach().contiguous().cpu() for n, t in state.items()}
+    for old in [*path.glob("model*.safetensors"), path / INDEX_FILE]:
+        old.unlink(missing_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg_dict, indent=2, sort_keys=True) + "\n")
+    tensors = {n: t.detach().contiguous().cpu() for n, t in state.items() if not _is_tied(n, state)}
     if max_shard_bytes is None:
-        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        save_file(tensors, str(path / SINGLE_FILE), metadata={"format": "pt"})
         return path
-    shards: list[dict] = [{}]
-    size = 0
-    for n, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][n] = t
-        size += nbytes
+    shards = _split(tensors, max_shard_bytes)
     weight_map = {}
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(path / fname), metadata={"format": "pt"})
         weight_map |= dict.fromkeys(shard, fname)
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return path
+
+
+def _is_tied(name: str, state: dict[str, torch.Tensor]) -> bool:
+    embed = state.get("model.embed_tokens.weight")
+    return (
+        name == "lm_head.weight"
+        and embed is not None
+        and state[name].untyped_storage().data_ptr() == embed.untyped_storage().data_ptr()
+    )
+
+
+def _split(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    return shards

@@ -1,0 +1,143 @@
+"""Engine behaviour: preemption and chunked prefill change no bit; bad input; weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from samebits import LLM, SamplingParams
+from samebits.engine.llm import tensor_digest
+from samebits.verify import make_prompts
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    return LLM(tiny, max_num_seqs=4, max_model_len=128)
+
+
+def _requests(vocab):
+    prompts = make_prompts((30, 5, 47, 12, 22, 9), vocab, seed=21)
+    params = [SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=i) for i in range(6)]
+    return prompts, params
+
+
+def _same(a, b):
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x.logprobs, y.logprobs)
+
+
+def test_results_in_prompt_order_with_more_requests_than_seqs(llm):
+    prompts, params = _requests(llm.config.vocab_size)
+    outs = llm.generate(prompts, params)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert [o.index for o in outs] == list(range(6))
+    assert all(len(o.token_ids) == 40 and o.finish_reason == "length" for o in outs)
+    assert all(o.logprobs.dtype == torch.float32 and o.logprobs.shape == (40,) for o in outs)
+
+
+def test_chunked_prefill_and_preemption_change_no_bit(tiny, llm):
+    prompts, params = _requests(llm.config.vocab_size)
+    base = llm.generate(prompts, params)
+    chunked = LLM(tiny, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=8)
+    _same(chunked.generate(prompts, params), base)
+    # 10 blocks of 16 slots: one sequence fits, four do not: the scheduler must preempt
+    tight = LLM(tiny, max_num_seqs=4, max_model_len=128, block_size=16, num_blocks=10)
+    outs = tight.generate(prompts, params)
+    assert sum(o.num_preemptions for o in outs) > 0
+    _same(outs, base)
+
+
+def test_preemption_negative_control_reseeding_changes_tokens(llm):
+    """If the sampler's noise depended on anything but (seed, index), resumed requests would
+    differ; the same check with another seed does differ, so it can fail."""
+    prompts, params = _requests(llm.config.vocab_size)
+    a = llm.generate(prompts[:1], params[:1])
+    b = llm.generate(prompts[:1], [SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=77)])
+    assert a[0].token_ids != b[0].token_ids
+
+
+BAD = [
+    ([[]], {}, "request 0: prompt is empty"),
+    ([[3] * 200], {}, "request 0: prompt length 200"),
+    ([[3] * 100], {"max_tokens": 40}, "exceeds max_model_len"),
+    ([[5, 6], [3, 9999]], {}, "request 1: prompt token id 9999 at position 1"),
+    ([[5, -1]], {}, "prompt token id -1"),
+    ([[5, 6.5]], {}, "request 0: prompt must be a list of int"),
+]
+
+
+@pytest.mark.parametrize("prompts,kw,match", BAD)
+def test_bad_prompts_rejected_and_engine_still_usable(llm, prompts, kw, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompts, SamplingParams(max_tokens=kw.get("max_tokens", 4)))
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, seed=0))
+    assert len(out[0].token_ids) == 3
+    assert not llm.scheduler.has_unfinished()
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"top_k": 0}, "top_k"), ({"top_k": -2}, "top_k"), ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ({"seed": 1.5}, "seed"), ({"seed": "7"}, "seed"), ({"max_tokens": 0}, "max_tokens"),
+])
+def test_bad_sampling_params_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw)
+
+
+def test_bad_params_in_a_list_name_the_request(llm):
+    with pytest.raises(TypeError, match="request 1: params must be a SamplingParams"):
+        llm.generate([[1, 2], [3, 4]], [SamplingParams(), {"temperature": 1}])
+    with pytest.raises(ValueError, match="2 prompts but 1 SamplingParams"):
+        llm.generate([[1, 2], [3, 4]], [SamplingParams()])
+
+
+def test_str_prompt_without_tokenizer_is_a_clear_error(llm):
+    with pytest.raises(ValueError, match="request 0: prompt is a str but .* has no usable tokenizer"):
+        llm.generate(["hello"], SamplingParams(max_tokens=2))
+
+
+def test_stop_eos_and_min_tokens(llm):
+    prompt = [[5, 6, 7, 8]]
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    stop_at = free.token_ids[4]
+    first = free.token_ids.index(stop_at)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_at]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: first + 1]
+    late = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, min_tokens=first + 2,
+                                               stop_token_ids=[stop_at]))[0]
+    assert len(late.token_ids) >= first + 2
+    assert stop_at not in late.token_ids[: first + 2]
+
+
+def test_engine_construction_errors(tiny):
+    with pytest.raises(ValueError, match="numerics"):
+        LLM(tiny, numerics="fast")
+    with pytest.raises(ValueError, match="num_blocks"):
+        LLM(tiny, max_model_len=128, block_size=16, num_blocks=4)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        LLM(tiny, max_num_seqs=0)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(tiny, dtype="float8")
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLM(tiny, max_model_len=10**6)
+
+
+def test_update_weights_all_or_nothing_and_digests(tiny):
+    llm = LLM(tiny, max_num_seqs=2, max_model_len=64)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    before = llm.weight_digests([name, "lm_head.weight"])
+    p = llm._params[name]
+    good = p + 0.01
+    for bad, err in [(("nope.weight", good), KeyError), ((name, good[:, :1]), ValueError),
+                     ((name, good.float()), ValueError)]:
+        with pytest.raises(err):
+            llm.update_weights([("lm_head.weight", llm._params["lm_head.weight"] * 2), bad])
+        assert llm.weight_digests([name, "lm_head.weight"]) == before
+    out_before = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=8, seed=1))[0]
+    llm.update_weights([(name, good)])
+    after = llm.weight_digests([name])
+    assert after[name] != before[name] and after[name] == tensor_digest(good)
+    out_after = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=8, seed=1))[0]
+    assert not torch.equal(out_before.logprobs, out_after.logprobs)
