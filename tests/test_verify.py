@@ -1,0 +1,43 @@
+"""`samebits verify`: the probe matrix passes, and its verdict can fail."""
+
+from __future__ import annotations
+
+import json
+
+from samebits import verify
+from samebits.cli import main
+
+
+def test_verify_cli_passes_and_writes_json(tmp_path, monkeypatch):
+    monkeypatch.setenv("SAMEBITS_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "v.json"
+    assert main(["verify", "--tokens", "12", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["passed"] is True
+    exact = [a for a in doc["arms"] if a["exact"]]
+    neg = [a for a in doc["arms"] if not a["exact"]]
+    assert len(exact) == 9 and all(a["mismatches"] == 0 and a["total"] == 12 for a in exact)
+    assert {a["arm"] for a in neg} == {"NEG grouped_mm experts, packed", "NEG sdpa attention, packed"}
+    assert all(a["mismatches"] > 0 for a in neg)
+
+
+def test_verdict_fails_on_an_exact_mismatch_or_a_silent_negative_control():
+    ok = verify.ArmResult("trainer packed", 0, True, 0, 10, None, 0.0)
+    bad = verify.ArmResult("trainer packed", 1, True, 1, 10, 3, 0.01)
+    neg = verify.ArmResult("NEG x", 0, False, 4, 10, 0, 0.02)
+    silent = verify.ArmResult("NEG y", 0, False, 0, 10, None, 0.0)
+    assert verify.passed([ok, neg])
+    assert not verify.passed([ok, bad, neg])
+    assert not verify.passed([ok, neg, silent])
+
+
+def test_compare_counts_bits():
+    import torch
+
+    a = torch.tensor([0.5, -1.0, 2.0])
+    r = verify.compare("x", 0, True, a, a.clone())
+    assert r.mismatches == 0 and r.first_mismatch is None
+    b = a.clone()
+    b[1] = torch.nextafter(b[1], torch.tensor(0.0))  # one ulp
+    r = verify.compare("x", 0, True, b, a)
+    assert r.mismatches == 1 and r.first_mismatch == 1 and r.max_abs_diff > 0
