@@ -28,7 +28,9 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 # model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight -> (layer prefix, e, kind)
-_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_PER_EXPERT = re.compile(
+    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$"
+)
 _IGNORED = re.compile(r"rotary_emb\.(original_)?inv_freq$")  # buffers some exporters save
 _QUANT_NAME = re.compile(
     r"\.(qweight|qzeros|scales|g_idx|weight_scale|weight_scale_inv|input_scale|absmax|quant_map|SCB)$"
@@ -125,7 +127,9 @@ def _weight_files(path: Path) -> list[Path]:
             f"{path} holds PyTorch .bin/.pt weights; samebits reads safetensors only: "
             "re-save with save_pretrained()"
         )
-    raise UnsupportedCheckpointError(f"no weight files found: neither {SINGLE_FILE} nor {INDEX_FILE} in {path}")
+    raise UnsupportedCheckpointError(
+        f"no weight files found: neither {SINGLE_FILE} nor {INDEX_FILE} in {path}"
+    )
 
 
 def _read_headers(files: list[Path]) -> dict[str, _OnDisk]:
@@ -254,8 +258,8 @@ def _stack_experts(cfg, prefix, part, read, device, dtype) -> torch.Tensor:
 def _check_tied(head: torch.Tensor, embed: torch.Tensor) -> None:
     if not torch.equal(head, embed):
         raise UnsupportedCheckpointError(
-            "tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight; "
-            "fix tie_word_embeddings in config.json"
+            "tie_word_embeddings is true but lm_head.weight differs from "
+            "model.embed_tokens.weight; fix tie_word_embeddings in config.json"
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from samebits.kernels.attention import attention_ref, varlen_attention
@@ -59,12 +60,24 @@ def samebits_attention(
             q_pos = torch.arange(sk - s, sk, device=q.device).view(1, s)
             outs.append(attention_ref(q[i : i + 1], k[i : i + 1], v[i : i + 1], q_pos, scale)[0])
         else:
-            pos = position_ids[i] if position_ids.dim() == 2 else position_ids[0, i]
+            pos = position_ids[i if position_ids.shape[0] == b else 0]
             outs.append(varlen_attention(q[i], k[i], v[i], pos, scale))
     return torch.stack(outs), None
 
 
+def samebits_mask(*args, attention_mask=None, **kwargs):
+    """AttentionMaskInterface function: causality and packing come from positions, so the
+    only thing to do with a padding mask is to refuse it (it would be ignored otherwise)."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            "samebits attention takes no padding mask: pass unpadded sequences (one per row, or "
+            "packed into one row with position_ids restarting at 0 for each sequence)"
+        )
+    return None
+
+
 def register() -> None:
-    """Register `samebits` as an experts and an attention implementation (idempotent)."""
+    """Register `samebits` as an experts, attention and mask implementation (idempotent)."""
     ALL_EXPERTS_FUNCTIONS.register(NAME, samebits_experts)
     AttentionInterface.register(NAME, samebits_attention)
+    AttentionMaskInterface.register(NAME, samebits_mask)

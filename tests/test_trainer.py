@@ -1,0 +1,68 @@
+"""The transformers side: rotary check, training through samebits kernels, input checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from samebits import batch_invariant, trainer
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return trainer.load_hf_model(tiny, dtype=torch.bfloat16)
+
+
+def test_rotary_inv_freq_check_raises_and_reset_fixes(tiny):
+    m = trainer.load_hf_model(tiny, dtype=torch.bfloat16)
+    trainer.check_rotary_inv_freq(m)
+    inv = m.model.rotary_emb.inv_freq
+    inv[3] = torch.nextafter(inv[3], torch.tensor(1.0))  # one ulp, as a CUDA pow can give
+    with pytest.raises(trainer.RotaryMismatchError, match="reset_rotary_inv_freq"):
+        trainer.token_logprobs(m, [[1, 2, 3]], [1])
+    trainer.reset_rotary_inv_freq(m)
+    trainer.check_rotary_inv_freq(m)
+
+
+def test_trains_through_samebits_experts_and_attention(tiny):
+    m = trainer.load_hf_model(tiny, dtype=torch.float32)
+    m.train()
+    assert m.config._experts_implementation == "samebits"
+    assert m.config._attn_implementation == "samebits"
+    ids = torch.tensor([[5, 9, 11, 3, 7, 2, 8, 6, 4, 10]])
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4]])  # two packed sequences
+    with batch_invariant():
+        loss = m(input_ids=ids, position_ids=pos, labels=ids, use_cache=False).loss
+    loss.backward()
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
+                 "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.gate.weight"):
+        g = dict(m.named_parameters())[name].grad
+        assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0, name
+
+
+def test_packed_equals_one_at_a_time_and_negative_control(model):
+    seqs = [[5, 9, 11, 3, 7, 2], [8, 6, 4, 10, 12, 13, 14, 15], [3, 3, 3]]
+    plens = [2, 3, 1]
+    with batch_invariant():
+        single = trainer.token_logprobs(model, seqs, plens, packed=False)
+        packed = trainer.token_logprobs(model, seqs, plens, packed=True)
+    assert all(torch.equal(a, b) for a, b in zip(single, packed, strict=True))
+    assert [len(x) for x in packed] == [4, 5, 2]
+    # negative control: the trainer's log-probs at another temperature differ
+    with batch_invariant():
+        hot = trainer.token_logprobs(model, seqs, plens, packed=True, temperature=1.5)
+    assert not torch.equal(hot[0], packed[0])
+
+
+def test_token_logprobs_input_checks(model):
+    with pytest.raises(ValueError, match="2 sequences but 1 prompt_lens"):
+        trainer.token_logprobs(model, [[1, 2], [3, 4]], [1])
+    with pytest.raises(ValueError, match="sequence 0: prompt_len 0"):
+        trainer.token_logprobs(model, [[1, 2]], [0])
+
+
+def test_samebits_attention_refuses_a_padding_mask(model):
+    ids = torch.tensor([[5, 9, 11], [3, 7, 0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    with pytest.raises(ValueError, match="no padding mask"):
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
