@@ -15,6 +15,7 @@ def maybe_progress(items: Iterable[T], label: str, min_items: int = 2) -> Iterat
     if len(items) < min_items or not sys.stderr.isatty():
         yield from items
         return
+    from rich.console import Console
     from rich.progress import track
 
-    yield from track(items, description=label, transient=True)
+    yield from track(items, description=label, transient=True, console=Console(stderr=True))

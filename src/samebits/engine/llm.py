@@ -306,11 +306,12 @@ class _Progress:
     """A rich progress bar over finished requests (stderr)."""
 
     def __init__(self, total: int):
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self._p = Progress(
             TextColumn("generate"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tok]} tok"),
-            TimeElapsedColumn(), transient=True,
+            TimeElapsedColumn(), transient=True, console=Console(stderr=True),
         )
         self._task = self._p.add_task("generate", total=total, tok=0)
         self._tokens = 0
