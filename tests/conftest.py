@@ -41,3 +41,12 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny(checkpoints):
     return checkpoints["mixed"]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -40,6 +40,7 @@ class ArmResult:
 
 def compare(arm: str, seq: int, exact: bool, got: torch.Tensor, want: torch.Tensor) -> ArmResult:
     """Bitwise comparison of two float32 log-prob vectors (a length difference is a mismatch)."""
+    got, want = got.detach().cpu(), want.detach().cpu()
     n = min(got.numel(), want.numel())
     differ = got[:n] != want[:n]
     idx = differ.nonzero()

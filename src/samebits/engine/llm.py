@@ -73,12 +73,7 @@ class EngineConfig:
                 f"num_blocks * block_size ({self.num_blocks} * {self.block_size}) must hold one "
                 f"sequence of max_model_len ({self.max_model_len}) tokens; raise num_blocks"
             )
-        dev = torch.device(self.device)
-        if dev.type != "cpu":
-            raise ValueError(
-                f"device {self.device!r} is not supported yet: the exact path runs on 'cpu' "
-                "(CUDA kernels are in progress)"
-            )
+        _check_device(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -270,6 +265,24 @@ def tensor_digest(t: torch.Tensor) -> str:
     """sha256 hex of a tensor's raw bytes (dtype and shape are not hashed)."""
     data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
     return hashlib.sha256(data.numpy().tobytes()).hexdigest()
+
+
+def _check_device(device: str) -> None:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a torch device") from e
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise ValueError(f"device {device!r} is not supported: use 'cpu' or 'cuda'")
+    from samebits.numerics.batch_invariant import triton_available
+
+    if not triton_available():
+        raise ValueError(f"device {device!r} needs CUDA and Triton, which this machine lacks")
+    major, _ = torch.cuda.get_device_capability(dev)
+    if major < 8:
+        raise ValueError(f"device {device!r} is sm_{major}x; samebits' Triton kernels need sm_80 or newer")
 
 
 def _build_model(cfg: ModelConfig, state: dict, device: str) -> Qwen3MoeForCausalLM:

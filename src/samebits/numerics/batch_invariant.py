@@ -7,9 +7,10 @@ trainer wraps its recompute in it, so both sides reach every GEMM and every
 reduction through the same kernels. Autograd sits above the overrides, so
 backward passes go through them too.
 
-Overridden (CPU): mm, addmm, bmm, _log_softmax, _softmax, mean.dim and
-sum.dim_IntList (floating inputs reduced over one dim; other cases keep the
-stock kernel).
+Overridden on CPU and, where Triton is installed, on CUDA: mm, addmm, bmm
+(CPU: `matmul_ref`; CUDA: the Triton kernel in `matmul_triton`), _log_softmax,
+_softmax, mean.dim and sum.dim_IntList (fixed-order trees for floating inputs
+reduced over one dim; other cases keep the stock kernel).
 """
 
 from __future__ import annotations
@@ -42,6 +43,28 @@ def _addmm(bias, a, b, *, beta=1, alpha=1):
 
 def _bmm(a, b):
     return bmm_ref(a, b)
+
+
+def _mm_cuda(a, b):
+    from samebits.kernels.matmul_triton import matmul
+
+    return matmul(a, b)
+
+
+def _addmm_cuda(bias, a, b, *, beta=1, alpha=1):
+    from samebits.kernels.matmul_triton import matmul
+
+    if beta != 1 or alpha != 1:
+        raise NotImplementedError("samebits batch_invariant addmm supports only alpha=beta=1")
+    if bias.dim() == 1 and bias.shape[0] == b.shape[1]:
+        return matmul(a, b, bias)
+    return (matmul(a.float(), b.float()) + bias.float()).to(a.dtype)
+
+
+def _bmm_cuda(a, b):
+    from samebits.kernels.matmul_triton import bmm
+
+    return bmm(a, b)
 
 
 def _log_softmax(x, dim, half_to_float):
@@ -88,12 +111,26 @@ _OVERRIDES = {
 }
 
 
+_CUDA_GEMMS = {"mm": _mm_cuda, "addmm": _addmm_cuda, "bmm": _bmm_cuda}
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
 def _install() -> torch.library.Library:
     lib = torch.library.Library("aten", "IMPL")
+    cuda = _OVERRIDES | _CUDA_GEMMS if triton_available() else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "overriding a previously registered kernel"
         for name, fn in _OVERRIDES.items():
             lib.impl(name, fn, "CPU")
+        for name, fn in cuda.items():
+            lib.impl(name, fn, "CUDA")
     return lib
 
 

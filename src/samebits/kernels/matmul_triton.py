@@ -1,0 +1,102 @@
+"""Batch-invariant matmul for CUDA: a Triton kernel and its launcher.
+
+One tile configuration for every M (BLOCK_K above all: the per-row K order is
+what must never change), no split-K: each output tile is computed by one
+program that walks K from 0 up in BLOCK_K steps, accumulating in fp32. A row's
+bits therefore depend on its own values, K and N alone, never on M or on the
+rows beside it. fp32 inputs use IEEE fp32 products (never TF32).
+`matmul_ref` in `matmul.py` is the portable version and test oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M = 64, 128, 64, 8
+NUM_WARPS, NUM_STAGES = 4, 4
+FP32_BLOCK_K = 32  # fp32 tiles are twice the bytes; fixed per dtype, so per row it never changes
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def matmul_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n  # grouped order: neighbouring programs share B tiles in L2
+    first_m = (pid // per_group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        acc += bias[None, :]
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`a @ b (+ bias)` on CUDA for a (M, K), b (K, N), any strides; returns a's dtype.
+
+    Each row's bits are independent of M. a and b share one dtype (bf16, fp16, fp32).
+    """
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul needs (M, K) @ (K, N), got {tuple(a.shape)} @ {tuple(b.shape)}")
+    if not (a.is_cuda and b.is_cuda):
+        raise ValueError("matmul (Triton) needs CUDA tensors; use matmul_ref on the CPU")
+    if a.dtype != b.dtype or a.dtype not in _DTYPES:
+        raise ValueError(f"matmul needs a and b of one dtype in {_DTYPES}, got {a.dtype} and {b.dtype}")
+    m, k = a.shape
+    n = b.shape[1]
+    c = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    if m == 0 or n == 0:
+        return c
+    if k == 0:
+        return c.zero_() if bias is None else c.copy_(bias.expand(m, n))
+    if bias is not None and (bias.shape != (n,) or not bias.is_cuda):
+        raise ValueError(f"bias must be a CUDA tensor of shape ({n},), got {tuple(bias.shape)}")
+    ieee = a.dtype == torch.float32
+    block_k = FP32_BLOCK_K if ieee else BLOCK_K
+    grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
+    matmul_kernel[grid](
+        a, b, c, bias if bias is not None else c, m, n, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        HAS_BIAS=bias is not None, IEEE=ieee,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, GROUP_M=GROUP_M,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    return c
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched `a @ b` for a (B, M, K), b (B, K, N): one `matmul` per batch entry."""
+    if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0]:
+        raise ValueError(f"bmm needs (B, M, K) @ (B, K, N), got {tuple(a.shape)} @ {tuple(b.shape)}")
+    out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
+    for i in range(a.shape[0]):
+        out[i] = matmul(a[i], b[i])
+    return out

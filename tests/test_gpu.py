@@ -1,0 +1,109 @@
+"""CUDA: the Triton matmul is batch invariant; HF-order ops on CUDA; the probe on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def _g(seed):
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k,n", [(2048, 4096), (4096, 2048), (2048, 768), (130, 257)])
+def test_triton_matmul_row_invariant_and_close_to_float64(dtype, k, n):
+    from samebits.kernels.matmul_triton import matmul
+
+    a = torch.randn(300, k, device="cuda", generator=_g(0)).to(dtype)
+    w = torch.randn(n, k, device="cuda", generator=_g(1)).to(dtype)  # nn.Linear layout
+    full = matmul(a, w.t())
+    for m in (1, 2, 7, 64, 65, 128, 257):
+        for start in (0, 300 - m):
+            assert torch.equal(matmul(a[start : start + m], w.t()), full[start : start + m]), (m, start)
+    want = (a.double() @ w.double().t())
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-3  # fp32: K * eps * |x|; TF32 is tested below
+    err = ((full.double() - want).abs() / (want.abs() + 1)).max().item()
+    assert err < tol, err
+
+
+def test_triton_matmul_fp32_is_ieee_not_tf32():
+    from samebits.kernels.matmul_triton import matmul
+
+    a = torch.randn(64, 1024, device="cuda", generator=_g(2))
+    b = torch.randn(1024, 256, device="cuda", generator=_g(3))
+    want = a.double() @ b.double()
+    ieee = (matmul(a, b).double() - want).abs().max().item()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        tf32 = ((a @ b).double() - want).abs().max().item()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    assert ieee < 1e-3 < tf32  # negative control: TF32 is visibly coarser
+
+
+def test_negative_control_cublas_rows_depend_on_m():
+    """Stock cuBLAS: a row computed at small M differs from the same row at large M (K=4096)."""
+    a = torch.randn(512, 4096, device="cuda", generator=_g(4)).bfloat16()
+    w = torch.randn(2048, 4096, device="cuda", generator=_g(5)).bfloat16()
+    full = a @ w.t()
+    assert any(not torch.equal((a[:m] @ w.t()), full[:m]) for m in (1, 8, 64, 100))
+
+
+def test_batch_invariant_mode_on_cuda_linear_and_reductions():
+    from samebits import batch_invariant
+
+    x = torch.randn(33, 2048, device="cuda", generator=_g(6)).bfloat16()
+    w = torch.randn(768, 2048, device="cuda", generator=_g(7)).bfloat16()
+    with batch_invariant():
+        full = torch.nn.functional.linear(x, w)
+        rows = [torch.nn.functional.linear(x[i : i + 1], w)[0] for i in range(33)]
+        lsm = torch.log_softmax(full.float(), -1)
+        lsm1 = torch.log_softmax(full[5:6].float(), -1)
+        mean = x.float().pow(2).mean(-1)
+        mean1 = x[7:8].float().pow(2).mean(-1)
+    assert all(torch.equal(r, full[i]) for i, r in enumerate(rows))
+    assert torch.equal(lsm[5], lsm1[0]) and torch.equal(mean[7], mean1[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hf_order_ops_on_cuda_match_transformers(dtype):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
+
+    from samebits import batch_invariant
+    from samebits.numerics import ops
+
+    norm = hf.Qwen3MoeRMSNorm(2048, eps=1e-6).to("cuda", dtype)
+    x = torch.randn(4, 9, 2048, device="cuda", generator=_g(8)).to(dtype)
+    assert torch.equal(ops.rms_norm(x, norm.weight, 1e-6), norm(x))
+    cfg = Qwen3MoeConfig(hidden_size=2048, num_attention_heads=32, head_dim=128, rope_theta=1e6)
+    rot = hf.Qwen3MoeRotaryEmbedding(cfg).to("cuda")
+    rot.inv_freq.copy_(ops.rotary_inv_freq(128, 1e6))
+    pos = torch.arange(5000, 5009, device="cuda")[None]
+    q = torch.randn(1, 32, 9, 128, device="cuda", generator=_g(9)).to(dtype)
+    cos, sin = rot(q, pos)
+    c2, s2 = ops.rotary_cos_sin(q, pos, ops.rotary_inv_freq(128, 1e6), 1.0)
+    assert torch.equal(c2, cos) and torch.equal(s2, sin)
+    router = hf.Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=2048, num_experts=128,
+                                                  num_experts_per_tok=8)).to("cuda", dtype)
+    with torch.no_grad():
+        router.weight.normal_(generator=_g(10))
+    h = x.view(-1, 2048)
+    with batch_invariant():  # one deterministic GEMM for both sides (cuBLAS fp32 may not repeat)
+        _, scores, index = router(h)
+        w2, i2 = ops.router(torch.nn.functional.linear(h, router.weight), 8, True)
+    assert torch.equal(w2, scores) and torch.equal(i2, index)
+
+
+def test_verify_probe_on_cuda(tmp_path, monkeypatch):
+    from samebits import verify
+
+    monkeypatch.setenv("SAMEBITS_CACHE", str(tmp_path))
+    results = verify.run(device="cuda", tokens=64, log=lambda *_: None)
+    verify.print_table(results)
+    assert verify.passed(results)
