@@ -11,6 +11,7 @@ that cannot fail proves nothing.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -86,8 +87,13 @@ def run(
         for i in range(len(prompts))
     ]
     log(f"rollout: seq0 alone, then {len(prompts)} concurrent requests, {tokens} tokens each")
+    t0 = time.perf_counter()
     alone = llm.generate(prompts[:1], params[:1])[0]
+    t1 = time.perf_counter()
     batched = llm.generate(prompts, params)
+    t2 = time.perf_counter()
+    log(f"rollout wall time: alone {t1 - t0:.1f} s, batched {t2 - t1:.1f} s "
+        f"({1000 * (t2 - t1) / tokens:.1f} ms per decode step incl. prefill)")
     seqs = [o.prompt_token_ids + o.token_ids for o in batched]
     plens = [len(o.prompt_token_ids) for o in batched]
     rollout = [o.logprobs for o in batched]
