@@ -11,17 +11,27 @@ grouped_mm / sdpa negative controls.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
 QWEN3_30B_A3B = dict(
-    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-    num_experts_per_tok=8, norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1e6,
-    max_position_embeddings=40960, tie_word_embeddings=False, eos_token_id=151645,
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    max_position_embeddings=40960,
+    tie_word_embeddings=False,
+    eos_token_id=151645,
 )
 
 

@@ -76,11 +76,20 @@ def test_bad_prompts_rejected_and_engine_still_usable(llm, prompts, kw, match):
     assert not llm.scheduler.has_unfinished()
 
 
-@pytest.mark.parametrize("kw,field", [
-    ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"top_k": 0}, "top_k"), ({"top_k": -2}, "top_k"), ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
-    ({"seed": 1.5}, "seed"), ({"seed": "7"}, "seed"), ({"max_tokens": 0}, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": "7"}, "seed"),
+        ({"max_tokens": 0}, "max_tokens"),
+    ],
+)
 def test_bad_sampling_params_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kw)
@@ -105,8 +114,10 @@ def test_stop_eos_and_min_tokens(llm):
     first = free.token_ids.index(stop_at)
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_at]))[0]
     assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: first + 1]
-    late = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, min_tokens=first + 2,
-                                               stop_token_ids=[stop_at]))[0]
+    late = llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=20, min_tokens=first + 2, stop_token_ids=[stop_at]),
+    )[0]
     assert len(late.token_ids) >= first + 2
     assert stop_at not in late.token_ids[: first + 2]
 
@@ -130,8 +141,11 @@ def test_update_weights_all_or_nothing_and_digests(tiny):
     before = llm.weight_digests([name, "lm_head.weight"])
     p = llm._params[name]
     good = p + 0.01
-    for bad, err in [(("nope.weight", good), KeyError), ((name, good[:, :1]), ValueError),
-                     ((name, good.float()), ValueError)]:
+    for bad, err in [
+        (("nope.weight", good), KeyError),
+        ((name, good[:, :1]), ValueError),
+        ((name, good.float()), ValueError),
+    ]:
         with pytest.raises(err):
             llm.update_weights([("lm_head.weight", llm._params["lm_head.weight"] * 2), bad])
         assert llm.weight_digests([name, "lm_head.weight"]) == before

@@ -112,7 +112,9 @@ def test_attention_same_bits_packed_chunked_and_decode(dtype, heads, kv_heads):
 def test_attention_negative_control_sdpa_differs():
     d, n, h = 24, 29, 4
     q, k, v = (torch.randn(1, h, n, d, generator=_g(s)).bfloat16() for s in (14, 15, 16))
-    ours = attention_ref(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), torch.arange(n)[None], d**-0.5)
+    ours = attention_ref(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), torch.arange(n)[None], d**-0.5
+    )
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
     assert not torch.equal(ours, sdpa)
 

@@ -231,12 +231,8 @@ def test_refuses_extra_expert_and_mixed_layouts(tmp_path, base):
     six = "model.layers.0.mlp.experts.6.down_proj.weight"
     extra = per | {six: per["model.layers.0.mlp.experts.0.down_proj.weight"].clone()}
     _refused(tmp_path / "a", cfg_dict, extra, rf"^1 unexpected.*: {re.escape(six)};")
-    both = per | {
-        "model.layers.2.mlp.experts.down_proj": state["model.layers.2.mlp.experts.down_proj"]
-    }
-    _refused(
-        tmp_path / "b", cfg_dict, both, r"unexpected.*: model\.layers\.2\.mlp\.experts\.down_proj;"
-    )
+    both = per | {"model.layers.2.mlp.experts.down_proj": state["model.layers.2.mlp.experts.down_proj"]}
+    _refused(tmp_path / "b", cfg_dict, both, r"unexpected.*: model\.layers\.2\.mlp\.experts\.down_proj;")
 
 
 @pytest.mark.parametrize(

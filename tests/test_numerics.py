@@ -14,9 +14,19 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 def _cfg(**kw):
-    base = dict(vocab_size=64, hidden_size=40, num_hidden_layers=1, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=12, num_experts=5, num_experts_per_tok=3,
-                moe_intermediate_size=16, intermediate_size=24, rope_theta=10000.0)
+    base = dict(
+        vocab_size=64,
+        hidden_size=40,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        num_experts=5,
+        num_experts_per_tok=3,
+        moe_intermediate_size=16,
+        intermediate_size=24,
+        rope_theta=10000.0,
+    )
     base.update(kw)
     return Qwen3MoeConfig(**base)
 
@@ -90,9 +100,12 @@ def test_mrope_matches_omni_thinker(dtype):
     from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as oc
     from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as om
 
-    cfg = oc.Qwen3OmniMoeTextConfig(hidden_size=64, num_attention_heads=2, head_dim=32,
-                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                                     "mrope_section": [6, 5, 5]})
+    cfg = oc.Qwen3OmniMoeTextConfig(
+        hidden_size=64,
+        num_attention_heads=2,
+        head_dim=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [6, 5, 5]},
+    )
     rot = om.Qwen3OmniMoeThinkerTextRotaryEmbedding(cfg)
     g = torch.Generator().manual_seed(4)
     x = torch.randn(1, 9, 64, generator=g).to(dtype)
@@ -147,7 +160,9 @@ def _op_cases(dtype):
         "rms_norm": (lambda: ops.rms_norm(x, w, 1e-6)),
         "add_rms_norm": (lambda: ops.add_rms_norm(x, x * 0.5, w, 1e-6)),
         "rotary": (lambda: ops.apply_rotary(q, k, *ops.rotary_cos_sin(q, pos, inv, 1.0), 1)),
-        "mrope": (lambda: ops.mrope_cos_sin(q, torch.stack([pos, pos * 2, pos * 3])[:, None], inv, 1.0, [4, 4, 4])),
+        "mrope": (
+            lambda: ops.mrope_cos_sin(q, torch.stack([pos, pos * 2, pos * 3])[:, None], inv, 1.0, [4, 4, 4])
+        ),
         "router": (lambda: ops.router(x[:, :5], 2, True)),
         "deepstack": (lambda: ops.deepstack_add(x, mask, x[:3] * 2)),
     }
@@ -159,5 +174,9 @@ def test_ops_compiled_fullgraph_equal_eager(dtype, name):
     fn = _op_cases(dtype)[name]
     eager = fn()
     compiled = torch.compile(fn, fullgraph=True, backend="inductor")()
-    for a, b in zip(torch.utils._pytree.tree_leaves(eager), torch.utils._pytree.tree_leaves(compiled)):
+    for a, b in zip(
+        torch.utils._pytree.tree_leaves(eager),
+        torch.utils._pytree.tree_leaves(compiled),
+        strict=True,
+    ):
         _exact(a, b)

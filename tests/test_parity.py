@@ -30,8 +30,13 @@ def _recompute(path, dtype, outs, temperature, packed, **impl):
     model = trainer.load_hf_model(path, dtype=getattr(torch, dtype), **impl)
     seqs = [o.prompt_token_ids + o.token_ids for o in outs]
     with batch_invariant():
-        return trainer.token_logprobs(model, seqs, [len(o.prompt_token_ids) for o in outs],
-                                      packed=packed, temperature=temperature)
+        return trainer.token_logprobs(
+            model,
+            seqs,
+            [len(o.prompt_token_ids) for o in outs],
+            packed=packed,
+            temperature=temperature,
+        )
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -51,8 +56,7 @@ def test_rollout_equals_trainer_bitwise(checkpoints, case):
     # negative control is the trainer without batch_invariant(), below.)
     if case == "fp32":
         return
-    neg = _recompute(checkpoints[case], dtype, batched, temperature, True,
-                     experts_implementation="grouped_mm")
+    neg = _recompute(checkpoints[case], dtype, batched, temperature, True, experts_implementation="grouped_mm")
     assert any(not torch.equal(o.logprobs, lp) for o, lp in zip(batched, neg, strict=True))
 
 
@@ -87,10 +91,21 @@ def test_transformers_saved_checkpoint_unseen_shape(tmp_path):
     """A checkpoint transformers wrote with save_pretrained, a shape no other test uses."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = Qwen3MoeConfig(vocab_size=211, hidden_size=52, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=26, num_experts=9, num_experts_per_tok=3,
-                         moe_intermediate_size=20, intermediate_size=44, max_position_embeddings=256,
-                         mlp_only_layers=[1], eos_token_id=None)
+    cfg = Qwen3MoeConfig(
+        vocab_size=211,
+        hidden_size=52,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=26,
+        num_experts=9,
+        num_experts_per_tok=3,
+        moe_intermediate_size=20,
+        intermediate_size=44,
+        max_position_embeddings=256,
+        mlp_only_layers=[1],
+        eos_token_id=None,
+    )
     torch.manual_seed(123)
     Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path)
     llm = LLM(tmp_path, max_num_seqs=3, max_model_len=128)

@@ -34,8 +34,12 @@ def test_trains_through_samebits_experts_and_attention(tiny):
     with batch_invariant():
         loss = m(input_ids=ids, position_ids=pos, labels=ids, use_cache=False).loss
     loss.backward()
-    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
-                 "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.gate.weight"):
+    for name in (
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.0.mlp.experts.down_proj",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.mlp.gate.weight",
+    ):
         g = dict(m.named_parameters())[name].grad
         assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0, name
 

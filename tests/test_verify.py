@@ -17,7 +17,10 @@ def test_verify_cli_passes_and_writes_json(tmp_path, monkeypatch):
     exact = [a for a in doc["arms"] if a["exact"]]
     neg = [a for a in doc["arms"] if not a["exact"]]
     assert len(exact) == 9 and all(a["mismatches"] == 0 and a["total"] == 12 for a in exact)
-    assert {a["arm"] for a in neg} == {"NEG grouped_mm experts, packed", "NEG sdpa attention, packed"}
+    assert {a["arm"] for a in neg} == {
+        "NEG grouped_mm experts, packed",
+        "NEG sdpa attention, packed",
+    }
     assert all(a["mismatches"] > 0 for a in neg)
 
 

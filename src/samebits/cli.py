@@ -10,8 +10,14 @@ def _verify(args) -> int:
     from samebits import verify
 
     lens = tuple(int(x) for x in args.prompt_lens.split(","))
-    results = verify.run(model=args.model, device=args.device, dtype=args.dtype,
-                         tokens=args.tokens, seed=args.seed, prompt_lens=lens)
+    results = verify.run(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        tokens=args.tokens,
+        seed=args.seed,
+        prompt_lens=lens,
+    )
     verify.print_table(results)
     if args.json:
         verify.write_json(results, args.json)
@@ -23,10 +29,13 @@ def _verify(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="samebits", description="Bitwise on-policy rollouts for MoE RL.")
     sub = p.add_subparsers(dest="command", required=True)
-    v = sub.add_parser("verify", help="probe rollout log-probs against the transformers trainer",
-                       description="Rollout seq0 alone and 4 concurrent requests, recompute with the "
-                       "transformers trainer one at a time and packed, compare bitwise; negative "
-                       "controls must differ. Exit 0 only when all of that holds.")
+    v = sub.add_parser(
+        "verify",
+        help="probe rollout log-probs against the transformers trainer",
+        description="Rollout seq0 alone and 4 concurrent requests, recompute with the "
+        "transformers trainer one at a time and packed, compare bitwise; negative "
+        "controls must differ. Exit 0 only when all of that holds.",
+    )
     v.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in tiny model)")
     v.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     v.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

@@ -92,8 +92,10 @@ def run(
     t1 = time.perf_counter()
     batched = llm.generate(prompts, params)
     t2 = time.perf_counter()
-    log(f"rollout wall time: alone {t1 - t0:.1f} s, batched {t2 - t1:.1f} s "
-        f"({1000 * (t2 - t1) / tokens:.1f} ms per decode step incl. prefill)")
+    log(
+        f"rollout wall time: alone {t1 - t0:.1f} s, batched {t2 - t1:.1f} s "
+        f"({1000 * (t2 - t1) / tokens:.1f} ms per decode step incl. prefill)"
+    )
     seqs = [o.prompt_token_ids + o.token_ids for o in batched]
     plens = [len(o.prompt_token_ids) for o in batched]
     rollout = [o.logprobs for o in batched]
@@ -131,8 +133,14 @@ def print_table(results: list[ArmResult]) -> None:
         table.add_column(col)
     for r in results:
         kind = "exact" if r.exact else "negative control"
-        table.add_row(r.arm, str(r.seq), kind, f"{r.mismatches}/{r.total}",
-                      "-" if r.first_mismatch is None else str(r.first_mismatch), f"{r.max_abs_diff:.3g}")
+        table.add_row(
+            r.arm,
+            str(r.seq),
+            kind,
+            f"{r.mismatches}/{r.total}",
+            "-" if r.first_mismatch is None else str(r.first_mismatch),
+            f"{r.max_abs_diff:.3g}",
+        )
     Console().print(table)
 
 

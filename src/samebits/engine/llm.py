@@ -136,8 +136,12 @@ class LLM:
         ValueError naming its index and field, and the engine stays usable.
         """
         per_request = self._per_request_params(prompts, params)
-        token_lists = [self._validate(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, per_request))]
-        seqs = [self._new_seq(i, ids, sp) for i, (ids, sp) in enumerate(zip(token_lists, per_request))]
+        token_lists = [
+            self._validate(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, per_request, strict=True))
+        ]
+        seqs = [
+            self._new_seq(i, ids, sp) for i, (ids, sp) in enumerate(zip(token_lists, per_request, strict=True))
+        ]
         for seq in seqs:
             self.scheduler.add(seq)
         try:
@@ -197,8 +201,7 @@ class LLM:
                 self._tokenizer = AutoTokenizer.from_pretrained(self.path)
             except Exception as e:  # noqa: BLE001 - any failure means: no usable tokenizer
                 raise ValueError(
-                    f"request {i}: prompt is a str but {self.path} has no usable tokenizer; "
-                    "pass token ids"
+                    f"request {i}: prompt is a str but {self.path} has no usable tokenizer; pass token ids"
                 ) from e
         return self._tokenizer(text)["input_ids"]
 
@@ -245,7 +248,9 @@ class LLM:
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"update_weights: {name} is a {type(tensor).__name__}, not a tensor")
             if tuple(tensor.shape) != tuple(p.shape):
-                raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
+                raise ValueError(
+                    f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}"
+                )
             if tensor.dtype != p.dtype:
                 raise ValueError(f"update_weights: {name} has dtype {tensor.dtype}, expected {p.dtype}")
         with torch.no_grad():
@@ -320,11 +325,22 @@ class _Progress:
 
     def __init__(self, total: int):
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         self._p = Progress(
-            TextColumn("generate"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tok]} tok"),
-            TimeElapsedColumn(), transient=True, console=Console(stderr=True),
+            TextColumn("generate"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[tok]} tok"),
+            TimeElapsedColumn(),
+            transient=True,
+            console=Console(stderr=True),
         )
         self._task = self._p.add_task("generate", total=total, tok=0)
         self._tokens = 0

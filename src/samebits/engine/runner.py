@@ -26,8 +26,10 @@ class ModelRunner:
         slots = num_blocks * block_size
         shape = (slots, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=self.device),
-             torch.zeros(shape, dtype=dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
+            )
             for _ in range(cfg.num_hidden_layers)
         ]
 

@@ -37,8 +37,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager,
-                 eos_token_ids: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        block_manager: BlockManager,
+        eos_token_ids: tuple[int, ...] = (),
+    ):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.blocks = block_manager

@@ -55,5 +55,7 @@ class Sequence:
         self.logprobs.append(logprob)
 
     def __repr__(self) -> str:
-        return (f"Sequence(id={self.seq_id}, status={self.status.value}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens})")
+        return (
+            f"Sequence(id={self.seq_id}, status={self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

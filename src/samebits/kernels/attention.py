@@ -31,9 +31,7 @@ def attention_ref(
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({kvh})")
     per_row = max(1, b * h * length * d)
     step = max(1, _CHUNK_ELEMS // per_row)
-    outs = [
-        _attend(q[:, s : s + step], k, v, q_pos[:, s : s + step], scale) for s in range(0, r, step)
-    ]
+    outs = [_attend(q[:, s : s + step], k, v, q_pos[:, s : s + step], scale) for s in range(0, r, step)]
     return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 
 

@@ -28,9 +28,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 # model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight -> (layer prefix, e, kind)
-_PER_EXPERT = re.compile(
-    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$"
-)
+_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _IGNORED = re.compile(r"rotary_emb\.(original_)?inv_freq$")  # buffers some exporters save
 _QUANT_NAME = re.compile(
     r"\.(qweight|qzeros|scales|g_idx|weight_scale|weight_scale_inv|input_scale|absmax|quant_map|SCB)$"
@@ -127,9 +125,7 @@ def _weight_files(path: Path) -> list[Path]:
             f"{path} holds PyTorch .bin/.pt weights; samebits reads safetensors only: "
             "re-save with save_pretrained()"
         )
-    raise UnsupportedCheckpointError(
-        f"no weight files found: neither {SINGLE_FILE} nor {INDEX_FILE} in {path}"
-    )
+    raise UnsupportedCheckpointError(f"no weight files found: neither {SINGLE_FILE} nor {INDEX_FILE} in {path}")
 
 
 def _read_headers(files: list[Path]) -> dict[str, _OnDisk]:
@@ -191,11 +187,7 @@ def _check_names_and_shapes(cfg: ModelConfig, on_disk: dict[str, _OnDisk], shape
             f"{len(unexpected)} unexpected tensor(s) in the checkpoint: {_listing(unexpected)}; "
             "is it a Qwen3-MoE checkpoint matching its config.json?"
         )
-    bad = [
-        f"{n}: expected {shapes[n]}, got {t.shape}"
-        for n, t in on_disk.items()
-        if t.shape != shapes[n]
-    ]
+    bad = [f"{n}: expected {shapes[n]}, got {t.shape}" for n, t in on_disk.items() if t.shape != shapes[n]]
     if bad:
         raise UnsupportedCheckpointError(f"{len(bad)} mis-shaped tensor(s): {_listing(bad)}")
 

@@ -107,8 +107,12 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden, cos, sin, meta, kv_cache):
         residual = hidden
         hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, meta, kv_cache)
-        residual, hidden = ops.add_rms_norm(hidden, residual, self.post_attention_layernorm.weight,
-                                            self.post_attention_layernorm.variance_epsilon)
+        residual, hidden = ops.add_rms_norm(
+            hidden,
+            residual,
+            self.post_attention_layernorm.weight,
+            self.post_attention_layernorm.variance_epsilon,
+        )
         return residual + self.mlp(hidden)
 
 
@@ -118,9 +122,7 @@ class Qwen3MoeModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.register_buffer(
-            "inv_freq", ops.rotary_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False
-        )
+        self.register_buffer("inv_freq", ops.rotary_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
 
     def forward(self, input_ids, meta: PagedAttentionMetadata, kv_caches):
         hidden = self.embed_tokens(input_ids)  # [T, H]

@@ -121,9 +121,7 @@ def tiny_checkpoint_cache(seed: int = 0, dtype: torch.dtype = torch.bfloat16) ->
     """
     import transformers
 
-    key = json.dumps(
-        [TINY_SHAPE, seed, str(dtype), transformers.__version__, _CACHE_FORMAT], sort_keys=True
-    )
+    key = json.dumps([TINY_SHAPE, seed, str(dtype), transformers.__version__, _CACHE_FORMAT], sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     root = Path(os.environ.get("SAMEBITS_CACHE") or Path.home() / ".cache" / "samebits")
     final = root / f"tiny-{digest}"

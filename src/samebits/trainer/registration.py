@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+from transformers.masking_utils import AttentionMaskInterface
 
 from samebits.kernels.attention import attention_ref, varlen_attention
 from samebits.kernels.experts import experts_ref
@@ -30,9 +30,7 @@ def samebits_experts(self, hidden_states, top_k_index, top_k_weights):
     )
 
 
-def samebits_attention(
-    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
-):
+def samebits_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """AttentionInterface function: q [B, H, S, D], k/v [B, KVH, Sk, D] -> ([B, S, H, D], None).
 
     Packed sequences are found from `position_ids` restarting (use_cache=False);
