@@ -100,7 +100,7 @@ def test_hf_order_ops_on_cuda_match_transformers(dtype):
     h = x.view(-1, 2048)
     with batch_invariant():  # one deterministic GEMM for both sides (cuBLAS fp32 may not repeat)
         _, scores, index = router(h)
-        w2, i2 = ops.router(torch.nn.functional.linear(h, router.weight), 8, True)
+        w2, i2 = ops.router(torch.nn.functional.linear(h, router.weight), 8, router.norm_topk_prob)
     assert torch.equal(w2, scores) and torch.equal(i2, index)
 
 
