@@ -74,10 +74,17 @@ def matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiles: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
     """`a @ b (+ bias)` on CUDA for a (M, K), b (K, N), any strides; returns a's dtype.
 
     Each row's bits are independent of M. a and b share one dtype (bf16, fp16, fp32).
+    `tiles` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the fixed
+    configuration for experiments (benchmarks/matmul_configs.py); BLOCK_K never changes.
     """
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"matmul needs (M, K) @ (K, N), got {tuple(a.shape)} @ {tuple(b.shape)}")
@@ -96,7 +103,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -
         raise ValueError(f"bias must be a CUDA tensor of shape ({n},), got {tuple(bias.shape)}")
     ieee = a.dtype == torch.float32
     block_k = FP32_BLOCK_K if ieee else BLOCK_K
-    grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
+    block_m, block_n, warps, stages = tiles or (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     matmul_kernel[grid](
         a,
         b,
@@ -113,12 +121,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -
         c.stride(1),
         HAS_BIAS=bias is not None,
         IEEE=ieee,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         BLOCK_K=block_k,
         GROUP_M=GROUP_M,
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        num_warps=warps,
+        num_stages=stages,
     )
     return c
 
