@@ -49,7 +49,7 @@ def main() -> None:
     for name, k, n in SHAPES:
         w = torch.randn(n, k, device="cuda", generator=g).bfloat16()
         a = torch.randn(max(MS), k, device="cuda", generator=g).bfloat16()
-        data[name] = (a, w, matmul(a, w.t()))
+        data[name] = (a, w, matmul(a, w.t(), tiles=CONFIGS[0]))
     for cfg in CONFIGS:
         cells = []
         for name, _, _ in SHAPES:

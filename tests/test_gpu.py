@@ -19,7 +19,7 @@ def _g(seed):
 def test_triton_matmul_row_invariant_and_close_to_float64(dtype, k, n):
     from samebits.kernels.matmul_triton import matmul
 
-    a = torch.randn(300, k, device="cuda", generator=_g(0)).to(dtype)
+    a = torch.randn(300, k, device="cuda", generator=_g(0)).to(dtype)  # 300 > 256: the large tiles
     w = torch.randn(n, k, device="cuda", generator=_g(1)).to(dtype)  # nn.Linear layout
     full = matmul(a, w.t())
     for m in (1, 2, 7, 64, 65, 128, 257):
