@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 
 from samebits.engine.block_manager import BlockManager
@@ -14,17 +17,38 @@ def _seq(i, n_prompt, **kw):
     return Sequence(i, i, list(range(2, 2 + n_prompt)), SamplingParams(**kw))
 
 
-def _drive(sched, token=lambda seq: 7, max_steps=10_000):
-    """Run the scheduler with a fake runner; returns the batches it scheduled."""
+def _token(seq):
+    """A fake model: the next token is a pure function of (request, output index)."""
+    return 100 + 10 * seq.seq_id + seq.num_output_tokens
+
+
+def _check_batch(sched, batch):
+    bm = sched.blocks
+    ids = [c.seq.seq_id for c in batch.chunks]
+    assert len(ids) == len(set(ids)), "a sequence appears twice in one step"
+    assert 0 < batch.num_tokens <= sched.max_num_batched_tokens
+    assert len(sched.running) <= sched.max_num_seqs
+    for c in batch.chunks:
+        assert c.seq.status is SequenceStatus.RUNNING
+        assert c.start == c.seq.num_computed_tokens and c.num_tokens >= 1
+        assert len(c.seq.block_table) * bm.block_size >= c.start + c.num_tokens
+    held = [b for s in sched.running for b in s.block_table]
+    assert len(held) == len(set(held)) and len(held) + bm.num_free_blocks == bm.num_blocks
+
+
+def _drive(sched, token=_token, max_steps=10_000):
+    """Run the scheduler with a fake runner; returns [(seq_id, start, num_tokens)] per step."""
     batches = []
     for _ in range(max_steps):
         if not sched.has_unfinished():
+            assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
             return batches
         batch = sched.schedule()
-        assert batch.num_tokens <= sched.max_num_batched_tokens
-        assert len(sched.running) <= sched.max_num_seqs
+        _check_batch(sched, batch)
         batches.append([(c.seq.seq_id, c.start, c.num_tokens) for c in batch.chunks])
-        sched.postprocess(batch, {c.seq.seq_id: (token(c.seq), -0.5) for c in batch.chunks if c.samples})
+        sampled = {c.seq.seq_id: (token(c.seq), -0.5) for c in batch.chunks if c.samples}
+        finished = sched.postprocess(batch, sampled)
+        assert all(s.is_finished and not s.block_table for s in finished)
     raise AssertionError("scheduler did not finish")
 
 
@@ -35,20 +59,46 @@ def test_block_manager_allocates_and_frees():
     bm.allocate(s, 10)
     assert len(s.block_table) == 2 and bm.num_free_blocks == 2
     assert bm.blocks_needed(s, 16) == 0 and bm.blocks_needed(s, 17) == 1
+    assert bm.can_allocate(2) and not bm.can_allocate(3)
     with pytest.raises(RuntimeError, match="need 3 KV blocks, 2 free"):
         bm.allocate(s, 40)
+    assert len(s.block_table) == 2 and bm.num_free_blocks == 2  # all or nothing
+    s.num_computed_tokens = 10
     bm.free(s)
-    assert s.block_table == [] and bm.num_free_blocks == 4
-    with pytest.raises(ValueError, match="block_size"):
-        BlockManager(4, 0)
+    assert s.block_table == [] and s.num_computed_tokens == 0 and bm.num_free_blocks == 4
+
+
+@pytest.mark.parametrize(
+    "field, args", [("num_blocks", (0, 4)), ("block_size", (4, 0)), ("block_size", (4, True))]
+)
+def test_block_manager_rejects_bad_sizes(field, args):
+    with pytest.raises(ValueError, match=field):
+        BlockManager(*args)
+
+
+@pytest.mark.parametrize("field, args", [("max_num_seqs", (0, 8)), ("max_num_batched_tokens", (4, 0))])
+def test_scheduler_rejects_bad_limits(field, args):
+    with pytest.raises(ValueError, match=field):
+        Scheduler(*args, BlockManager(4, 4))
 
 
 def test_chunked_prefill_splits_long_prompts_under_the_budget():
     sched = Scheduler(4, 8, BlockManager(64, 4))
-    sched.add(_seq(0, 21, max_tokens=2))
+    s = _seq(0, 21, max_tokens=2)
+    sched.add(s)
     batches = _drive(sched)
-    assert batches[:3] == [[(0, 0, 8)], [(0, 8, 8)], [(0, 16, 5)]]
-    assert batches[3] == [(0, 21, 1)]  # decode of the first sampled token
+    assert batches == [[(0, 0, 8)], [(0, 8, 8)], [(0, 16, 5)], [(0, 21, 1)]]  # 3 chunks, then one decode
+    assert s.output_token_ids == [100, 101] and s.logprobs == [-0.5, -0.5]
+
+
+def test_prefill_shares_the_budget_with_running_decodes():
+    sched = Scheduler(4, 8, BlockManager(64, 4))
+    sched.add(_seq(0, 3, max_tokens=4))
+    sched.postprocess(sched.schedule(), {0: (7, 0.0)})
+    sched.add(_seq(1, 20, max_tokens=1))
+    batches = _drive(sched)
+    assert batches[0] == [(0, 3, 1), (1, 0, 7)]  # decode first, the prompt takes what is left
+    assert batches[1] == [(0, 4, 1), (1, 7, 7)]
 
 
 def test_max_num_seqs_and_fifo_admission():
@@ -59,42 +109,88 @@ def test_max_num_seqs_and_fifo_admission():
     batches = _drive(sched)
     assert [sid for sid, _, _ in batches[0]] == [0, 1]
     assert all(len(b) <= 2 for b in batches)
+    first_step = [
+        next(i for i, b in enumerate(batches) if any(sid == s.seq_id for sid, _, _ in b)) for s in seqs
+    ]
+    assert first_step == sorted(first_step)
     assert all(s.finish_reason == "length" and s.num_output_tokens == 3 for s in seqs)
 
 
 def test_preemption_by_recompute_readmits_first_and_finishes():
     bm = BlockManager(5, 4)  # 20 slots: two sequences of 12 tokens do not fit at once
-    sched = Scheduler(4, 64, bm)
-    a, b = _seq(0, 4, max_tokens=8), _seq(1, 4, max_tokens=8)
+    sched = Scheduler(2, 64, bm)
+    a, b, c = _seq(0, 4, max_tokens=8), _seq(1, 4, max_tokens=8), _seq(2, 4, max_tokens=2)
+    for s in (a, b, c):
+        sched.add(s)
+    batches = _drive(sched)
+    assert b.num_preemptions >= 1 and a.num_preemptions == c.num_preemptions == 0
+    flat = [chunk for batch in batches for chunk in batch]
+    # b was recomputed from position 0 over its prompt and the tokens it had generated ...
+    recompute = next(i for i, (sid, start, n) in enumerate(flat) if sid == 1 and start == 0 and n > 4)
+    # ... and was readmitted ahead of c, which had been waiting longer
+    assert recompute < next(i for i, (sid, _, _) in enumerate(flat) if sid == 2)
+    # the recompute changed no token: the same outputs as with a cache large enough for all
+    for s in (a, b, c):
+        alone = Scheduler(4, 64, BlockManager(64, 4))
+        twin = _seq(s.seq_id, 4, max_tokens=s.params.max_tokens)
+        alone.add(twin)
+        _drive(alone)
+        assert s.output_token_ids == twin.output_token_ids and len(s.logprobs) == s.num_output_tokens
+
+
+def test_preempted_sequence_is_not_readmitted_in_the_same_step():
+    # a budget of 2 leaves b a 1-token chunk, which its own freed block would hold: readmitting it
+    # right away would only recompute it and preempt it again
+    sched = Scheduler(4, 2, BlockManager(4, 4))
+    a, b = _seq(0, 4, max_tokens=9), _seq(1, 8, max_tokens=4)
     sched.add(a)
     sched.add(b)
-    batches = _drive(sched)
-    assert b.num_preemptions >= 1 and a.num_preemptions == 0
-    assert a.num_output_tokens == b.num_output_tokens == 8
-    # b was recomputed from position 0 over its prompt and the tokens it had generated
-    assert any(sid == 1 and start == 0 and n > 4 for bt in batches for sid, start, n in bt)
-    assert bm.num_free_blocks == 5
+    for _ in range(200):
+        batch = sched.schedule()
+        _check_batch(sched, batch)
+        if b.num_preemptions:
+            assert [c.seq for c in batch.chunks] == [a] and list(sched.waiting) == [b]
+            break
+        sched.postprocess(batch, {c.seq.seq_id: (_token(c.seq), 0.0) for c in batch.chunks if c.samples})
+    else:
+        raise AssertionError("b was never preempted")
+    sched.postprocess(batch, {0: (_token(a), 0.0)} if batch.chunks[0].samples else {})
+    _drive(sched)
+    assert a.num_output_tokens == 9 and b.num_output_tokens == 4
 
 
 def test_a_sequence_that_can_never_fit_is_refused():
     sched = Scheduler(4, 64, BlockManager(2, 4))
     with pytest.raises(RuntimeError, match="raise num_blocks"):
-        sched.add(_seq(0, 6, max_tokens=5))
+        sched.add(_seq(0, 6, max_tokens=4))  # K/V for 6 + 4 - 1 = 9 tokens: 3 blocks
+    sched.add(_seq(1, 6, max_tokens=3))  # 8 tokens: exactly the cache
+    _drive(sched)
 
 
 def test_finish_reasons():
-    sched = Scheduler(4, 64, BlockManager(64, 4), eos_token_ids=(1,))
+    sched = Scheduler(8, 64, BlockManager(64, 4), eos_token_ids=(1,))
     eos = _seq(0, 3, max_tokens=10)
     ignore = _seq(1, 3, max_tokens=4, ignore_eos=True)
     stop = _seq(2, 3, max_tokens=10, stop_token_ids=[1])
     late = _seq(3, 3, max_tokens=10, min_tokens=3)
-    for s in (eos, ignore, stop, late):
+    ignore_but_stop = _seq(4, 3, max_tokens=10, ignore_eos=True, stop_token_ids=[1])
+    length_first = _seq(5, 3, max_tokens=1)
+    other = _seq(6, 3, max_tokens=5)
+    seqs = (eos, ignore, stop, late, ignore_but_stop, length_first, other)
+    for s in seqs:
         sched.add(s)
-    _drive(sched, token=lambda seq: 1)
-    assert (eos.finish_reason, eos.num_output_tokens) == ("stop", 1)
-    assert (ignore.finish_reason, ignore.num_output_tokens) == ("length", 4)
-    assert (stop.finish_reason, stop.num_output_tokens) == ("stop", 1)
-    assert (late.finish_reason, late.num_output_tokens) == ("stop", 3)
+    _drive(sched, token=lambda seq: 9 if seq is other else 1)
+    got = {s.seq_id: (s.finish_reason, s.num_output_tokens) for s in seqs}
+    assert got == {
+        0: ("stop", 1),
+        1: ("length", 4),
+        2: ("stop", 1),
+        3: ("stop", 3),  # eos is not honoured before min_tokens outputs
+        4: ("stop", 1),  # ignore_eos does not ignore stop_token_ids
+        5: ("length", 1),  # length is checked before stop
+        6: ("length", 5),
+    }
+    assert all(s.status is SequenceStatus.FINISHED for s in seqs)
 
 
 def test_abort_all_frees_everything():
@@ -107,14 +203,21 @@ def test_abort_all_frees_everything():
     aborted = sched.abort_all()
     assert {s.seq_id for s in aborted} == {0, 1, 2}
     assert all(s.status is SequenceStatus.FINISHED and s.finish_reason == "abort" for s in seqs)
+    assert all(s.block_table == [] for s in seqs)
     assert not sched.has_unfinished() and bm.num_free_blocks == 16
 
 
-def test_no_state_grows_with_requests_ever_seen():
+def test_scheduler_keeps_no_reference_to_finished_sequences():
     sched = Scheduler(4, 64, BlockManager(64, 4))
+    refs = []
     for wave in range(50):
         for i in range(4):
-            sched.add(_seq(wave * 4 + i, 3, max_tokens=2))
+            s = _seq(wave * 4 + i, 3, max_tokens=2)
+            refs.append(weakref.ref(s))
+            sched.add(s)
+        del s
         _drive(sched)
-        assert not sched.waiting and not sched.running
-    assert sum(len(v) if hasattr(v, "__len__") else 0 for v in vars(sched).values()) <= 1  # eos set
+        assert len(sched.waiting) == len(sched.running) == 0
+    gc.collect()
+    assert [r for r in refs if r() is not None] == []  # only waiting + running are held
+    assert sched.blocks.num_free_blocks == 64 and len(sched.blocks.free_blocks) == 64

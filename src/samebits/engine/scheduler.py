@@ -29,6 +29,8 @@ class ScheduledChunk:
 
 @dataclass
 class ScheduledBatch:
+    """The chunks one engine step computes, in scheduling order."""
+
     chunks: list[ScheduledChunk]
 
     @property
@@ -37,6 +39,16 @@ class ScheduledBatch:
 
 
 class Scheduler:
+    """Continuous batching with chunked prefill and preemption by recompute.
+
+    Each step fits at most `max_num_batched_tokens` tokens and `max_num_seqs` running
+    sequences. Running sequences go first, in admission order (decode: 1 token; prefill:
+    the rest of their tokens, cut to the budget left); then waiting ones are admitted FIFO
+    until one does not fit. A running sequence that cannot get a block preempts the newest
+    running one (possibly itself), which goes back to the front of the queue with its blocks
+    freed and is recomputed from token 0 on readmission.
+    """
+
     def __init__(
         self,
         max_num_seqs: int,
@@ -44,19 +56,25 @@ class Scheduler:
         block_manager: BlockManager,
         eos_token_ids: tuple[int, ...] = (),
     ):
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.blocks = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order
+        self.running: list[Sequence] = []  # in admission order; preemption takes from the end
 
     def add(self, seq: Sequence) -> None:
-        needed = -(-(seq.num_prompt_tokens + seq.params.max_tokens) // self.blocks.block_size)
+        """Queue seq; RuntimeError if even an empty cache could not hold it."""
+        # the last sampled token is never computed, so its K/V never need a slot
+        most_tokens = seq.num_prompt_tokens + seq.params.max_tokens - 1
+        needed = self.blocks.blocks_for(most_tokens)
         if needed > self.blocks.num_blocks:
             raise RuntimeError(
-                f"a sequence of {seq.num_prompt_tokens} + {seq.params.max_tokens} tokens needs "
-                f"{needed} KV blocks but the cache has {self.blocks.num_blocks}; raise num_blocks"
+                f"a sequence of {seq.num_prompt_tokens} prompt + {seq.params.max_tokens} max_tokens "
+                f"needs {needed} KV blocks but the cache has {self.blocks.num_blocks}; raise num_blocks"
             )
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
@@ -65,6 +83,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def abort_all(self) -> list[Sequence]:
+        """Finish every queued and running sequence with reason "abort"; returns them."""
         aborted = [*self.running, *self.waiting]
         for seq in aborted:
             self.blocks.free(seq)
@@ -75,18 +94,32 @@ class Scheduler:
         return aborted
 
     def schedule(self) -> ScheduledBatch:
-        budget = self.max_num_batched_tokens
+        """Pick this step's chunks and allocate their blocks."""
         chunks: list[ScheduledChunk] = []
+        budget, preempted = self._schedule_running(chunks, self.max_num_batched_tokens)
+        if not preempted:  # readmitting what was just preempted would only thrash
+            self._admit_waiting(chunks, budget)
+        if not chunks and self.has_unfinished():
+            raise RuntimeError("scheduler could not place any sequence; raise num_blocks")
+        return ScheduledBatch(chunks)
+
+    def _schedule_running(self, chunks: list[ScheduledChunk], budget: int) -> tuple[int, bool]:
+        """-> (budget left, whether anything was preempted)."""
+        preempted = False
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted while making room for an earlier one
+            if seq.status is not SequenceStatus.RUNNING:  # preempted for an earlier sequence
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._make_room(seq, seq.num_computed_tokens + n):
-                continue  # seq itself was preempted
-            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
-            budget -= n
+            placed, evicted = self._make_room(seq, seq.num_computed_tokens + n)
+            preempted |= evicted
+            if placed:
+                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+                budget -= n
+        return budget, preempted
+
+    def _admit_waiting(self, chunks: list[ScheduledChunk], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -98,29 +131,35 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
-        if not chunks and self.has_unfinished():
-            raise RuntimeError("scheduler could not place any sequence; raise num_blocks")
-        return ScheduledBatch(chunks)
 
-    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
-        """Allocate seq's blocks, preempting the newest running sequences; False if seq itself went."""
+    def _make_room(self, seq: Sequence, num_tokens: int) -> tuple[bool, bool]:
+        """Allocate seq's blocks, preempting the newest running sequences.
+
+        -> (seq got its blocks, something was preempted). seq is never placed after being
+        preempted itself; a sequence alone always fits, since add() checked it against the cache.
+        """
+        evicted = False
         while not self.blocks.can_allocate(self.blocks.blocks_needed(seq, num_tokens)):
-            victim = self.running[-1]
-            self._preempt(victim)
+            victim = self._preempt_newest()
+            evicted = True
             if victim is seq:
-                return False
+                return False, evicted
         self.blocks.allocate(seq, num_tokens)
-        return True
+        return True, evicted
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+    def _preempt_newest(self) -> Sequence:
+        seq = self.running.pop()
         self.blocks.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
+        return seq
 
     def postprocess(self, batch: ScheduledBatch, sampled: dict[int, tuple[int, float]]) -> list[Sequence]:
-        """Advance computed tokens, append samples, finish sequences; returns those that finished."""
+        """Advance computed tokens, append samples, finish sequences; returns those that finished.
+
+        `sampled` maps seq_id -> (token, log-prob) for every chunk whose `samples` is True.
+        """
         finished = []
         for chunk in batch.chunks:
             seq = chunk.seq
@@ -133,9 +172,10 @@ class Scheduler:
             if reason:
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason = reason
-                self.running.remove(seq)
                 self.blocks.free(seq)
                 finished.append(seq)
+        if finished:
+            self.running = [s for s in self.running if not s.is_finished]
         return finished
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

@@ -8,13 +8,19 @@ from samebits.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
+    """Where a sequence is: queued (or preempted), holding cache blocks, or done."""
+
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
 
 
 class Sequence:
-    """One request: prompt + generated tokens, their log-probs, its cache blocks."""
+    """One request: prompt + generated tokens, their log-probs, its cache blocks.
+
+    `token_ids` is the whole sequence; after a preemption its generated tokens are
+    recomputed like prompt tokens, so chunks index `token_ids`, never the prompt alone.
+    """
 
     def __init__(self, seq_id: int, index: int, prompt_token_ids: list[int], params: SamplingParams):
         self.seq_id = seq_id
@@ -23,7 +29,7 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)  # prompt + generated
         self.logprobs: list[float] = []
         self.params = params
-        self.seed = 0 if params.seed is None else params.seed
+        self.seed = 0 if params.seed is None else params.seed  # LLM draws one when params.seed is None
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
@@ -51,6 +57,7 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def append_token(self, token_id: int, logprob: float) -> None:
+        """Record one sampled token and its log-prob."""
         self.token_ids.append(token_id)
         self.logprobs.append(logprob)
 
