@@ -43,3 +43,21 @@ def test_sharded_checkpoint(tmp_path):
 def test_cast_on_load(checkpoints):
     _, state = load_state_dict(checkpoints["fp32"], dtype=torch.bfloat16)
     assert {t.dtype for t in state.values()} == {torch.bfloat16}
+
+
+def test_config_defaults_follow_transformers():
+    """A config.json that omits a field means transformers' default, not ours."""
+    from samebits.model.config import ModelConfig
+
+    d = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 8,
+    }
+    ours, hf = ModelConfig.from_dict(d), Qwen3MoeConfig(**{k: v for k, v in d.items() if k != "architectures"})
+    assert ours.norm_topk_prob == hf.norm_topk_prob
+    assert ours.rope_theta == hf.rope_parameters["rope_theta"]
+    assert ours.num_key_value_heads == hf.num_key_value_heads
+    assert ours.rms_norm_eps == hf.rms_norm_eps

@@ -48,9 +48,8 @@ def test_chunked_prefill_and_preemption_change_no_bit(tiny, llm):
     _same(outs, base)
 
 
-def test_preemption_negative_control_reseeding_changes_tokens(llm):
-    """If the sampler's noise depended on anything but (seed, index), resumed requests would
-    differ; the same check with another seed does differ, so it can fail."""
+def test_sampling_noise_depends_on_the_seed(llm):
+    """The token comparisons above can fail: another seed gives other tokens."""
     prompts, params = _requests(llm.config.vocab_size)
     a = llm.generate(prompts[:1], params[:1])
     b = llm.generate(prompts[:1], [SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=77)])
@@ -100,6 +99,25 @@ def test_bad_params_in_a_list_name_the_request(llm):
         llm.generate([[1, 2], [3, 4]], [SamplingParams(), {"temperature": 1}])
     with pytest.raises(ValueError, match="2 prompts but 1 SamplingParams"):
         llm.generate([[1, 2], [3, 4]], [SamplingParams()])
+
+
+def test_bad_stop_token_ids_rejected_before_running(llm):
+    with pytest.raises(ValueError, match="request 1: stop_token_ids entry 9999"):
+        llm.generate(
+            [[5, 6], [7, 8]],
+            [SamplingParams(max_tokens=3), SamplingParams(max_tokens=3, min_tokens=1, stop_token_ids=[9999])],
+        )
+    with pytest.raises(ValueError, match="stop_token_ids entry -1"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=3, stop_token_ids=[-1]))
+    with pytest.raises(ValueError, match="stop_token_ids must be a list"):
+        SamplingParams(stop_token_ids=5)
+    assert SamplingParams(stop_token_ids=(t for t in [3, 4])).stop_token_ids == (3, 4)
+    assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=2))[0].token_ids) == 2
+
+
+def test_tiny_temperature_rejected():
+    with pytest.raises(ValueError, match="temperature must be 0"):
+        SamplingParams(temperature=1e-50)
 
 
 def test_str_prompt_without_tokenizer_is_a_clear_error(llm):

@@ -111,3 +111,28 @@ def test_verify_probe_on_cuda(tmp_path, monkeypatch):
     results = verify.run(device="cuda", tokens=64, log=lambda *_: None)
     verify.print_table(results)
     assert verify.passed(results)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_rollout_equals_trainer_on_cuda_at_temperature(tmp_path, temperature):
+    """On CUDA `x / python_float` multiplies by the reciprocal; both sides must share one op."""
+    from samebits import LLM, SamplingParams, batch_invariant, trainer
+    from samebits.model.tiny import build_tiny_checkpoint
+    from samebits.verify import make_prompts
+
+    path = build_tiny_checkpoint(tmp_path / "t", seed=4)
+    llm = LLM(path, device="cuda", max_num_seqs=4, max_model_len=96)
+    prompts = make_prompts((7, 13, 21), llm.config.vocab_size, seed=2)
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=temperature, max_tokens=40, ignore_eos=True, seed=3)
+    )
+    model = trainer.load_hf_model(path, device="cuda")
+    with batch_invariant():
+        lps = trainer.token_logprobs(
+            model,
+            [o.prompt_token_ids + o.token_ids for o in outs],
+            [len(p) for p in prompts],
+            packed=True,
+            temperature=temperature,
+        )
+    assert all(torch.equal(o.logprobs, lp.cpu()) for o, lp in zip(outs, lps, strict=True))

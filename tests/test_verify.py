@@ -24,6 +24,13 @@ def test_verify_cli_passes_and_writes_json(tmp_path, monkeypatch):
     assert all(a["mismatches"] > 0 for a in neg)
 
 
+def test_verify_fp32_uses_the_stock_kernel_control(tmp_path, monkeypatch):
+    monkeypatch.setenv("SAMEBITS_CACHE", str(tmp_path / "cache"))
+    results = verify.run(dtype="float32", tokens=8, log=lambda *_: None)
+    assert verify.passed(results)
+    assert any(r.arm.startswith("NEG stock kernels") and r.mismatches > 0 for r in results)
+
+
 def test_verdict_fails_on_an_exact_mismatch_or_a_silent_negative_control():
     ok = verify.ArmResult("trainer packed", 0, True, 0, 10, None, 0.0)
     bad = verify.ArmResult("trainer packed", 1, True, 1, 10, 3, 0.01)

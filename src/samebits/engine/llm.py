@@ -183,6 +183,11 @@ class LLM:
                 f"max_model_len {limit}"
             )
         vocab = self.config.vocab_size
+        for t in sp.stop_token_ids or ():
+            if not 0 <= t < vocab:
+                raise ValueError(
+                    f"request {i}: stop_token_ids entry {t} is outside the vocabulary [0, {vocab})"
+                )
         for pos, t in enumerate(ids):
             if not 0 <= t < vocab:
                 raise ValueError(
@@ -251,6 +256,8 @@ class LLM:
                 raise ValueError(
                     f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}"
                 )
+            if tensor.is_meta or tensor.layout != torch.strided or hasattr(tensor, "device_mesh"):
+                raise ValueError(f"update_weights: {name} must be a plain dense tensor with data")
             if tensor.dtype != p.dtype:
                 raise ValueError(f"update_weights: {name} has dtype {tensor.dtype}, expected {p.dtype}")
         with torch.no_grad():

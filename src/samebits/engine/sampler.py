@@ -29,7 +29,12 @@ class SampleRequest:
 
 
 def reported_logprobs(logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
-    """logits [N, V] -> float32 log-probs [N, V], each row at its temperature (0 -> 1)."""
+    """logits [N, V] -> float32 log-probs [N, V], each row at its temperature (0 -> 1).
+
+    The one place this is computed, for the engine and the trainer alike: division by
+    a float32 tensor (on CUDA, division by a Python scalar is a multiply by its reciprocal,
+    which rounds differently).
+    """
     temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=torch.float32)
     return torch.log_softmax(logits.float() / temps.to(logits.device)[:, None], dim=-1)
 
@@ -65,6 +70,11 @@ def sample_one(logprobs_row: torch.Tensor, logits_row: torch.Tensor, req: Sample
     if req.banned:
         probs[list(req.banned)] = 0.0
     probs = _narrow(probs, req.params)
+    if not bool((probs > 0).any()):  # everything allowed underflowed: take the best allowed logit
+        scores = logits_row.float().cpu().clone()
+        if req.banned:
+            scores[list(req.banned)] = float("-inf")
+        return int(torch.argmax(scores))
     noise = torch.empty_like(probs).exponential_(generator=_generator(req.seed, req.output_index))
     return int(torch.argmax(probs / noise))  # exponential race: P(i) = probs[i] / sum(probs)
 

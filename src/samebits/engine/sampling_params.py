@@ -26,11 +26,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        stops = self.stop_token_ids
+        if stops is not None:
+            if isinstance(stops, int | str | bytes) or not hasattr(stops, "__iter__"):
+                raise ValueError(f"stop_token_ids must be a list of ints or None, got {stops!r}")
+            object.__setattr__(self, "stop_token_ids", tuple(stops))
         problem = self.problem()
         if problem is not None:
             raise ValueError(problem)
-        if self.stop_token_ids is not None:
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     def problem(self) -> str | None:
         """The first invalid field as a message, or None."""
@@ -38,6 +41,8 @@ class SamplingParams:
             return f"temperature must be a number >= 0, got {self.temperature!r}"
         if not self.temperature >= 0:
             return f"temperature must be >= 0, got {self.temperature}"
+        if 0 < self.temperature < _MIN_TEMPERATURE:
+            return f"temperature must be 0 (greedy) or >= {_MIN_TEMPERATURE}, got {self.temperature}"
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float):
             return f"top_p must be a number in (0, 1], got {self.top_p!r}"
         if not 0 < self.top_p <= 1:
@@ -55,6 +60,9 @@ class SamplingParams:
         if self.stop_token_ids is not None and not all(_is_int(t) for t in self.stop_token_ids):
             return f"stop_token_ids must be ints, got {self.stop_token_ids!r}"
         return None
+
+
+_MIN_TEMPERATURE = 1e-6  # below this fp32 logits / T overflow; use 0 for greedy
 
 
 def _is_int(x: object) -> bool:

@@ -71,7 +71,7 @@ class ModelConfig:
         if act != "silu":
             raise UnsupportedCheckpointError(f"hidden_act {act!r} is not supported; only 'silu'")
         heads = d["num_attention_heads"]
-        kv_heads = d.get("num_key_value_heads") or heads
+        kv_heads = d.get("num_key_value_heads", 4)  # transformers' Qwen3MoeConfig defaults
         if heads % kv_heads:
             raise UnsupportedCheckpointError(
                 f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
@@ -90,11 +90,11 @@ class ModelConfig:
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             num_experts=d.get("num_experts", d.get("num_local_experts", 0)) or 0,
             num_experts_per_tok=d.get("num_experts_per_tok", 0),
-            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
             decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
             mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1e6))),
+            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
             attention_bias=bool(d.get("attention_bias", False)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             max_position_embeddings=d.get("max_position_embeddings", 32768),

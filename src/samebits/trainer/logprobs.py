@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoModelForCausalLM
 
+from samebits.engine.sampler import reported_logprobs
 from samebits.numerics.ops import rotary_inv_freq
 
 
@@ -95,7 +96,7 @@ def token_logprobs(
                 n, p = len(sequences[i]), prompt_lens[i]
                 rows = logits[offset + p - 1 : offset + n - 1]  # [n - p, V]
                 targets = ids[offset + p : offset + n]
-                lp = torch.log_softmax(rows.float() / temp, dim=-1)
+                lp = reported_logprobs(rows, [temp] * rows.shape[0])  # the engine's own op
                 out[i] = lp.gather(-1, targets[:, None])[:, 0]
                 offset += n
     return out  # type: ignore[return-value]
