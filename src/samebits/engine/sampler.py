@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from samebits.engine.sampling_params import SamplingParams
+from samebits.numerics.ops import reported_logprobs
 
 _MASK64 = (1 << 63) - 1
 
@@ -26,17 +27,6 @@ class SampleRequest:
     seed: int
     output_index: int
     banned: tuple[int, ...] = ()  # tokens not to sample yet (eos/stop before min_tokens)
-
-
-def reported_logprobs(logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
-    """logits [N, V] -> float32 log-probs [N, V], each row at its temperature (0 -> 1).
-
-    The one place this is computed, for the engine and the trainer alike: division by
-    a float32 tensor (on CUDA, division by a Python scalar is a multiply by its reciprocal,
-    which rounds differently).
-    """
-    temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=torch.float32)
-    return torch.log_softmax(logits.float() / temps.to(logits.device)[:, None], dim=-1)
 
 
 def _generator(seed: int, output_index: int) -> torch.Generator:

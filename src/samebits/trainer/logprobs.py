@@ -7,8 +7,7 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoModelForCausalLM
 
-from samebits.engine.sampler import reported_logprobs
-from samebits.numerics.ops import rotary_inv_freq
+from samebits.numerics.ops import reported_logprobs, rotary_inv_freq
 
 
 class RotaryMismatchError(RuntimeError):
