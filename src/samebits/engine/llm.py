@@ -121,6 +121,7 @@ class LLM:
         self._ids = itertools.count()
         self._rng = random.Random()
         self._tokenizer = None
+        self.asleep = False
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -135,6 +136,8 @@ class LLM:
         Every request is validated before anything runs; a bad one raises
         ValueError naming its index and field, and the engine stays usable.
         """
+        if self.asleep:
+            raise RuntimeError("generate: the engine is asleep (KV cache released); call wake_up() first")
         per_request = self._per_request_params(prompts, params)
         token_lists = [
             self._validate(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, per_request, strict=True))
@@ -239,6 +242,21 @@ class LLM:
             stops = tuple(sp.stop_token_ids or ())
             banned = stops + (() if sp.ignore_eos else tuple(self.config.eos_token_id))
         return SampleRequest(sp, seq.seed, seq.num_output_tokens, banned)
+
+    # -- colocation -----------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Release the KV cache memory so a trainer on the same device can use it. Weights stay
+        (update_weights and weight_digests still work); generate refuses until wake_up()."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("sleep: requests are still running")
+        self.runner.release_kv_cache()
+        self.asleep = True
+
+    def wake_up(self) -> None:
+        """Allocate the KV cache again (zeroed); a no-op when awake."""
+        self.runner.allocate_kv_cache()
+        self.asleep = False
 
     # -- weights ----------------------------------------------------------------------------
 

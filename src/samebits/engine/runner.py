@@ -81,3 +81,25 @@ class ModelRunner:
                 return []
             logits = self.model.compute_logits(hidden[sample_rows])  # [N, V]
             return sample(logits, reqs)
+
+    # -- colocation: a trainer on the same device steps while the KV cache is released ------
+
+    def release_kv_cache(self) -> None:
+        """Free the KV cache tensors; `allocate_kv_cache` brings back the same size, zeroed."""
+        if self.kv_caches:
+            self._kv_shape = tuple(self.kv_caches[0][0].shape)  # [slots, KVH, D]
+        self.kv_caches = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def allocate_kv_cache(self) -> None:
+        """Allocate the KV cache again after `release_kv_cache` (no-op while it is allocated)."""
+        if self.kv_caches:
+            return
+        self.kv_caches = [
+            (
+                torch.zeros(self._kv_shape, dtype=self.dtype, device=self.device),
+                torch.zeros(self._kv_shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.cfg.num_hidden_layers)
+        ]
