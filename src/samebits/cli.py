@@ -26,6 +26,100 @@ def _verify(args) -> int:
     return 0 if ok else 1
 
 
+def _rl(args) -> int:
+    from samebits import rl
+    from samebits.rl import report
+
+    cfg = rl.RLConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        algorithm=args.algorithm,
+        steps=args.steps,
+        num_prompts=args.prompts,
+        prompt_len=args.prompt_len,
+        n=args.n,
+        max_tokens=args.max_tokens,
+        force_max_length=args.force_max_length,
+        temperature=args.temperature,
+        lr=args.lr,
+        max_grad_norm=args.max_grad_norm,
+        clip_eps=args.clip_eps,
+        mini_batches=args.mini_batches,
+        micro_batch_tokens=args.micro_batch_tokens,
+        freeze=tuple(f for f in args.freeze.split(",") if f),
+        reward=args.reward,
+        seed=args.seed,
+        trainer_experts=args.trainer_experts,
+        digest_tensors=None if args.digest == "all" else tuple(args.digest.split(",")),
+        out_dir=args.out,
+    )
+    rows = rl.run(cfg, live=not args.no_live, resume=args.resume, checkpoint_every=args.checkpoint_every)
+    report.print_table(rows, "samebits rl: per-step metrics (mismatches: torch.equal per token)")
+    rewards = ", ".join(f"{r['reward_mean']:.3f}" for r in rows)
+    print(f"reward mean per step: {rewards}")
+    print(f"metrics: {cfg.out_dir}/metrics.jsonl, plot: {cfg.out_dir}/metrics.png")
+    if rl.passed(rows):
+        print("PASS: 0 rollout and 0 old-log-prob mismatches, engine and trainer digests equal, every step")
+        return 0
+    bad = [r["step"] for r in rows if not rl.passed([r])]
+    print(f"FAIL: mismatching log-probs or weight digests at steps {bad}")
+    return 1
+
+
+def _add_rl(sub) -> None:
+    r = sub.add_parser(
+        "rl",
+        help="closed RL loop (GSPO/GRPO) checking bitwise on-policy log-probs every step",
+        description="Each step: rollout with the samebits engine, rewards, trainer recompute of the "
+        "old log-probs (packed, under batch_invariant()), bitwise comparison, AdamW update(s), "
+        "weight sync into the engine and a sha256 digest check. Exit 0 only when every step has 0 "
+        "mismatches and equal digests. With no arguments: 5 steps on the built-in tiny model, CPU.",
+    )
+    r.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in tiny model)")
+    r.add_argument("--device", default="cpu", help="torch device for engine and trainer (default: cpu)")
+    r.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    r.add_argument("--algorithm", default="gspo", choices=["gspo", "grpo"], help="default gspo")
+    r.add_argument("--steps", type=int, default=5, help="RL steps (default 5)")
+    r.add_argument("--prompts", type=int, default=4, help="random prompts per step (default 4)")
+    r.add_argument("--prompt-len", type=int, default=8, help="tokens per prompt (default 8)")
+    r.add_argument("--n", type=int, default=4, help="responses per prompt, >= 2 (default 4)")
+    r.add_argument("--max-tokens", type=int, default=24, help="max response tokens (default 24)")
+    r.add_argument(
+        "--force-max-length", action="store_true", help="every response exactly --max-tokens (ignore eos)"
+    )
+    r.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1)")
+    r.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (default 1e-2)")
+    r.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm (default 1)")
+    r.add_argument("--clip-eps", type=float, default=0.2, help="ratio clip range 1 +- eps (default 0.2)")
+    r.add_argument("--mini-batches", type=int, default=4, help="optimizer steps per rollout batch (default 4)")
+    r.add_argument(
+        "--micro-batch-tokens", type=int, default=512, help="token budget of one packed forward (default 512)"
+    )
+    r.add_argument(
+        "--freeze",
+        default="",
+        help="comma-separated parameter groups to freeze (experts, router, attention, embeddings, "
+        "lm_head, norms) or name substrings",
+    )
+    r.add_argument("--reward", default="toy", help="toy (learnable), hash, or module:function (default toy)")
+    r.add_argument("--seed", type=int, default=0, help="seed for prompts and sampling (default 0)")
+    r.add_argument(
+        "--trainer-experts",
+        default="samebits",
+        choices=["samebits", "grouped_mm", "eager"],
+        help="trainer experts implementation; grouped_mm is the negative control (must mismatch)",
+    )
+    r.add_argument("--digest", default="all", help="'all' or comma-separated parameter names to digest")
+    r.add_argument("--out", default="runs/rl", help="output dir: metrics.jsonl, metrics.png, checkpoint.pt")
+    r.add_argument("--resume", default=None, metavar="CKPT", help="resume from a checkpoint.pt")
+    r.add_argument(
+        "--checkpoint-every", type=int, default=0, help="checkpoint every K steps too (0: at the end only)"
+    )
+    r.add_argument("--no-live", action="store_true", help="no live table on stderr")
+    r.set_defaults(fn=_rl)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="samebits", description="Bitwise on-policy rollouts for MoE RL.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -44,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--prompt-lens", default="10,16,16,24", help="comma-separated prompt lengths")
     v.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     v.set_defaults(fn=_verify)
+    _add_rl(sub)
     return p
 
 
