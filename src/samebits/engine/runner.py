@@ -40,36 +40,72 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, PagedAttentionMetadata, list[int]]:
         """-> input_ids [T], metadata, and the row in T of each chunk that samples."""
-        chunks = batch.chunks
-        r = max(c.num_tokens for c in chunks)
-        length = max(c.start + c.num_tokens for c in chunks)
-        ids, positions, slot_map, token_index, sample_rows = [], [], [], [], []
-        key_slots = torch.zeros(len(chunks), length, dtype=torch.long)
-        query_rows = torch.zeros(len(chunks), r, dtype=torch.long)
-        query_pos = torch.zeros(len(chunks), r, dtype=torch.long)
+        ids, positions, slots, sample_rows = [], [], [], []
+        bs = self.block_size
         row = 0
-        for i, c in enumerate(chunks):
+        for c in batch.chunks:
             end = c.start + c.num_tokens
+            table = c.seq.block_table
             ids.extend(c.seq.token_ids[c.start : end])
-            positions.append(torch.arange(c.start, end))
-            slot_map.append(self._slots(c.seq.block_table, c.start, end))
-            key_slots[i, :end] = self._slots(c.seq.block_table, 0, end)
-            query_rows[i, : c.num_tokens] = torch.arange(row, row + c.num_tokens)
-            query_pos[i, : c.num_tokens] = positions[-1]
-            token_index.append(torch.arange(i * r, i * r + c.num_tokens))
+            positions.extend(range(c.start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, end))
             row += c.num_tokens
             if c.samples:
                 sample_rows.append(row - 1)
         dev = self.device
-        meta = PagedAttentionMetadata(
-            positions=torch.cat(positions).to(dev),
-            slot_mapping=torch.cat(slot_map).to(dev),
-            key_slots=key_slots.to(dev),
-            query_rows=query_rows.to(dev),
-            query_pos=query_pos.to(dev),
-            token_index=torch.cat(token_index).to(dev),
+        common = dict(
+            positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
+            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
         )
-        return torch.tensor(ids, dtype=torch.long, device=dev), meta, sample_rows
+        paths = self._triton_fields(batch) if dev.type == "cuda" else self._portable_fields(batch)
+        meta = PagedAttentionMetadata(**common, **paths)
+        return torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True), meta, sample_rows
+
+    def _triton_fields(self, batch: ScheduledBatch) -> dict:
+        chunks = batch.chunks
+        pages = max(len(c.seq.block_table) for c in chunks)
+        tables = torch.zeros(len(chunks), pages, dtype=torch.int32)
+        starts, lens, ctx = [], [], []
+        row = 0
+        for i, c in enumerate(chunks):
+            tables[i, : len(c.seq.block_table)] = torch.tensor(c.seq.block_table, dtype=torch.int32)
+            starts.append(row)
+            lens.append(c.num_tokens)
+            ctx.append(c.start + c.num_tokens)
+            row += c.num_tokens
+        dev = self.device
+        as_int = lambda xs: torch.tensor(xs, dtype=torch.int32).to(dev, non_blocking=True)  # noqa: E731
+        return dict(
+            block_tables=tables.to(dev, non_blocking=True),
+            q_start=as_int(starts),
+            q_len=as_int(lens),
+            ctx_len=as_int(ctx),
+            max_q_len=max(lens),
+            block_size=self.block_size,
+        )
+
+    def _portable_fields(self, batch: ScheduledBatch) -> dict:
+        chunks = batch.chunks
+        r = max(c.num_tokens for c in chunks)
+        length = max(c.start + c.num_tokens for c in chunks)
+        key_slots = torch.zeros(len(chunks), length, dtype=torch.long)
+        query_rows = torch.zeros(len(chunks), r, dtype=torch.long)
+        query_pos = torch.zeros(len(chunks), r, dtype=torch.long)
+        token_index = []
+        row = 0
+        for i, c in enumerate(chunks):
+            end = c.start + c.num_tokens
+            key_slots[i, :end] = self._slots(c.seq.block_table, 0, end)
+            query_rows[i, : c.num_tokens] = torch.arange(row, row + c.num_tokens)
+            query_pos[i, : c.num_tokens] = torch.arange(c.start, end)
+            token_index.append(torch.arange(i * r, i * r + c.num_tokens))
+            row += c.num_tokens
+        return dict(
+            key_slots=key_slots,
+            query_rows=query_rows,
+            query_pos=query_pos,
+            token_index=torch.cat(token_index),
+        )
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, reqs: list[SampleRequest]) -> list[tuple[int, float]]:

@@ -61,3 +61,26 @@ def experts_ref(
     per_slot = torch.cat(outs, dim=0)[inverse].view(t, k, h)  # [T, K, H] fp32
     weighted = per_slot * top_k_weights.float().unsqueeze(-1)
     return tree_sum_ref(weighted, dim=1).to(hidden_states.dtype)
+
+
+def experts(
+    hidden_states: torch.Tensor,  # [T, H]
+    top_k_index: torch.Tensor,  # [T, K]
+    top_k_weights: torch.Tensor,  # [T, K]
+    gate_up_proj: torch.Tensor,  # [E, 2I, H]
+    down_proj: torch.Tensor,  # [E, H, I]
+    act_fn: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+) -> torch.Tensor:
+    """samebits' experts on the tensors' device: the fused Triton kernels on CUDA (SiLU
+    only), `experts_ref` elsewhere. Engine and trainer both call this one function."""
+    if hidden_states.is_cuda:
+        if not _is_silu(act_fn):
+            raise NotImplementedError(f"samebits' CUDA experts support SiLU only, got {act_fn!r}")
+        from samebits.kernels.experts_triton import experts as experts_cuda
+
+        return experts_cuda(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    return experts_ref(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act_fn)
+
+
+def _is_silu(fn) -> bool:
+    return fn is F.silu or isinstance(fn, torch.nn.SiLU) or type(fn).__name__ == "SiLUActivation"

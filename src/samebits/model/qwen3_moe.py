@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from samebits.kernels.experts import experts_ref
+from samebits.kernels.experts import experts
 from samebits.model.attention import PagedAttentionMetadata, paged_attention
 from samebits.model.config import ModelConfig
 from samebits.numerics import ops
@@ -82,7 +82,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
     def forward(self, x, top_k_index, top_k_weights):
-        return experts_ref(x, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+        return experts(x, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
 
 
 class SparseMoeBlock(nn.Module):

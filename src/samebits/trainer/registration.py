@@ -13,8 +13,8 @@ from transformers import AttentionInterface
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.masking_utils import AttentionMaskInterface
 
-from samebits.kernels.attention import attention_ref, varlen_attention
-from samebits.kernels.experts import experts_ref
+from samebits.kernels.attention import attention_ref, segment_bounds, varlen_attention
+from samebits.kernels.experts import experts
 
 NAME = "samebits"
 
@@ -25,9 +25,7 @@ def samebits_experts(self, hidden_states, top_k_index, top_k_weights):
         raise NotImplementedError("samebits experts support untransposed, bias-free experts only")
     if not getattr(self, "has_gate", True) or not getattr(self, "is_concatenated", True):
         raise NotImplementedError("samebits experts need a concatenated [gate; up] gate_up_proj")
-    return experts_ref(
-        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn
-    )
+    return experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn)
 
 
 def samebits_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -52,6 +50,8 @@ def samebits_attention(module, query, key, value, attention_mask, scaling=None, 
     b, s = q.shape[:2]
     sk = k.shape[1]
     position_ids = kwargs.get("position_ids")
+    if q.is_cuda:
+        return _attention_cuda(q, k, v, position_ids, scale), None
     outs = []
     for i in range(b):
         if sk != s or position_ids is None:
@@ -61,6 +61,27 @@ def samebits_attention(module, query, key, value, attention_mask, scaling=None, 
             pos = position_ids[i if position_ids.shape[0] == b else 0]
             outs.append(varlen_attention(q[i], k[i], v[i], pos, scale))
     return torch.stack(outs), None
+
+
+def _attention_cuda(q, k, v, position_ids, scale):
+    """The Triton kernel the engine runs, row by row of the batch; q [B, S, H, D]."""
+    from samebits.kernels.attention_triton import attention, packed_attention
+
+    b, s = q.shape[:2]
+    sk = k.shape[1]
+    dev = q.device
+    table = torch.arange(sk, dtype=torch.int32, device=dev)[None]
+    zero, queries, keys = (torch.tensor([x], dtype=torch.int32, device=dev) for x in (0, s, sk))
+    outs = []
+    for i in range(b):
+        if sk != s:  # queries are the last s positions over a cache of sk keys
+            kc, vc = k[i].contiguous(), v[i].contiguous()
+            outs.append(attention(q[i].contiguous(), kc, vc, table, zero, queries, keys, s, scale, 1))
+            continue
+        pos = position_ids[i if position_ids.shape[0] == b else 0] if position_ids is not None else None
+        bounds = segment_bounds(pos) if pos is not None else [(0, s)]
+        outs.append(packed_attention(q[i], k[i], v[i], bounds, scale))
+    return torch.stack(outs)
 
 
 def samebits_mask(*args, attention_mask=None, **kwargs):

@@ -1,0 +1,285 @@
+"""Batch-invariant fused MoE experts for CUDA: two Triton kernels and a backward.
+
+The (token, slot) pairs are sorted by expert on the device (no host sync, so
+the step can be captured in a CUDA graph). `gate_up_kernel` gives each program
+one expert and one tile of I columns; it walks that expert's rows in BLOCK_M
+chunks and H in BLOCK_K steps, for the gate and the up half at once, and writes
+`act(gate) * up` (each rounded to the activation dtype, as transformers rounds
+them). `down_kernel` does the same over I for the down projection, keeps the
+result in fp32, multiplies it by the routing weight in fp32 and stores it at the
+pair's own slot. The top-k slots are then summed in a fixed pairwise tree and
+rounded once. One tile configuration for every batch, fixed BLOCK_K, no
+split-K: a row's bits depend on its own token and weights alone. Expert weights
+are read in place in the transformers layout: gate_up_proj [E, 2I, H] ([gate;
+up] on dim 1), down_proj [E, H, I].
+
+The backward recomputes the expert forward with stock differentiable torch ops
+(`torch._grouped_mm` where the GPU has it) and differentiates that: gradients
+reach the hidden states, the routing weights and both expert weights. Only the
+forward carries the bitwise contract.
+
+Shapes: T = tokens, K = top-k, N = T*K pairs, E = experts, H = hidden,
+I = expert intermediate.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from samebits.kernels.reduce import tree_sum_ref
+
+BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 64, 64, 4, 3
+_DTYPES = (torch.bfloat16, torch.float16)
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (development only)
+
+
+@triton.jit
+def gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    h_ptr,
+    order_ptr,
+    offsets_ptr,
+    H,
+    INTER,
+    TOP_K,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_hn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    e = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start = tl.load(offsets_ptr + e)
+    end = tl.load(offsets_ptr + e + 1)
+    kk = tl.arange(0, BLOCK_K)
+    w_gate = w_ptr + e.to(tl.int64) * stride_we + cols[None, :] * stride_wn + kk[:, None]  # [BK, BN]
+    w_up = w_gate + INTER * stride_wn
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        in_rows = rows < end
+        token = tl.load(order_ptr + rows, mask=in_rows, other=0) // TOP_K
+        x_rows = x_ptr + token.to(tl.int64)[:, None] * stride_xt + kk[None, :]
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k_ok = kk < H - k0
+            x = tl.load(x_rows + k0, mask=in_rows[:, None] & k_ok[None, :], other=0.0)
+            w_mask = k_ok[:, None] & (cols[None, :] < INTER)
+            acc_gate = tl.dot(x, tl.load(w_gate + k0, mask=w_mask, other=0.0), acc_gate)
+            acc_up = tl.dot(x, tl.load(w_up + k0, mask=w_mask, other=0.0), acc_up)
+        gate = acc_gate.to(h_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(h_ptr.dtype.element_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(h_ptr.dtype.element_ty).to(tl.float32)  # silu
+        h = (act * up).to(h_ptr.dtype.element_ty)
+        tl.store(
+            h_ptr + rows.to(tl.int64)[:, None] * stride_hn + cols[None, :],
+            h,
+            mask=in_rows[:, None] & (cols[None, :] < INTER),
+        )
+
+
+@triton.jit
+def down_kernel(
+    h_ptr,
+    w_ptr,
+    out_ptr,
+    weights_ptr,
+    order_ptr,
+    offsets_ptr,
+    H,
+    INTER,
+    stride_hn,
+    stride_we,
+    stride_wn,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    e = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start = tl.load(offsets_ptr + e)
+    end = tl.load(offsets_ptr + e + 1)
+    kk = tl.arange(0, BLOCK_K)
+    w_tile = w_ptr + e.to(tl.int64) * stride_we + cols[None, :] * stride_wn + kk[:, None]  # [BK, BN]
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        in_rows = rows < end
+        h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_hn + kk[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            k_ok = kk < INTER - k0
+            a = tl.load(h_rows + k0, mask=in_rows[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_tile + k0, mask=k_ok[:, None] & (cols[None, :] < H), other=0.0)
+            acc = tl.dot(a, w, acc)
+        slot = tl.load(order_ptr + rows, mask=in_rows, other=0)
+        weight = tl.load(weights_ptr + slot, mask=in_rows, other=0.0).to(tl.float32)
+        tl.store(
+            out_ptr + slot.to(tl.int64)[:, None] * stride_on + cols[None, :],
+            acc * weight[:, None],
+            mask=in_rows[:, None] & (cols[None, :] < H),
+        )
+
+
+def route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, K] expert ids -> (order [N] int32: pair ids sorted by expert, stably; offsets [E + 1] int32).
+
+    Device ops only, no host sync.
+    """
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True).to(torch.int32)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    return order, offsets
+
+
+def experts_forward(
+    hidden_states: torch.Tensor,  # [T, H]
+    top_k_index: torch.Tensor,  # [T, K]
+    top_k_weights: torch.Tensor,  # [T, K]
+    gate_up_proj: torch.Tensor,  # [E, 2I, H]
+    down_proj: torch.Tensor,  # [E, H, I]
+) -> torch.Tensor:
+    """Sum over k of `weight_k * down_e(silu(gate_e(x)) * up_e(x))` -> [T, H], batch invariant."""
+    _check(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    t, k = top_k_index.shape
+    e, two_i, h = gate_up_proj.shape
+    i = two_i // 2
+    if t == 0:
+        return hidden_states.new_zeros(0, h)
+    order, offsets = route(top_k_index, e)
+    inter = torch.empty(t * k, i, dtype=hidden_states.dtype, device=hidden_states.device)
+    gate_up_kernel[(e, triton.cdiv(i, BLOCK_N))](
+        hidden_states,
+        gate_up_proj,
+        inter,
+        order,
+        offsets,
+        h,
+        i,
+        k,
+        hidden_states.stride(0),
+        gate_up_proj.stride(0),
+        gate_up_proj.stride(1),
+        inter.stride(0),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
+    )
+    per_slot = torch.empty(t * k, h, dtype=torch.float32, device=hidden_states.device)
+    down_kernel[(e, triton.cdiv(h, BLOCK_N))](
+        inter,
+        down_proj,
+        per_slot,
+        top_k_weights,
+        order,
+        offsets,
+        h,
+        i,
+        inter.stride(0),
+        down_proj.stride(0),
+        down_proj.stride(1),
+        per_slot.stride(0),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
+    )
+    return tree_sum_ref(per_slot.view(t, k, h), dim=1).to(hidden_states.dtype)
+
+
+def _check(x, index, weights, gate_up, down) -> None:
+    if x.dim() != 2 or index.shape != weights.shape or index.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"experts: hidden {tuple(x.shape)}, top_k_index {tuple(index.shape)} and top_k_weights "
+            f"{tuple(weights.shape)} disagree"
+        )
+    e, two_i, h = gate_up.shape
+    if x.shape[1] != h or down.shape != (e, h, two_i // 2):
+        raise ValueError(
+            f"experts: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} disagree"
+        )
+    if not all(t.is_cuda for t in (x, index, weights, gate_up, down)) and not _INTERPRET:
+        raise ValueError("experts (Triton) needs CUDA tensors; use experts_ref on the CPU")
+    if x.dtype not in _DTYPES or gate_up.dtype != x.dtype or down.dtype != x.dtype:
+        raise ValueError(f"experts (Triton) needs hidden and expert weights of one dtype in {_DTYPES}")
+    if x.stride(1) != 1 or gate_up.stride(2) != 1 or down.stride(2) != 1:
+        raise ValueError("experts (Triton): hidden and expert weights must be contiguous in their last dim")
+    if not weights.is_contiguous():
+        raise ValueError("experts (Triton): top_k_weights must be contiguous")
+
+
+def _stock_experts(x, index, weights, gate_up, down) -> torch.Tensor:
+    """The same function in stock differentiable torch ops (for the backward only)."""
+    t, k = index.shape
+    e = gate_up.shape[0]
+    order, offsets = route(index, e)
+    order = order.long()
+    rows = x[order // k]  # [N, H] sorted by expert
+    if hasattr(torch, "_grouped_mm") and x.is_cuda:
+        offs = offsets[1:]
+        gu = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)
+        gate, up = gu.chunk(2, dim=-1)
+        inter = F.silu(gate) * up
+        y = torch._grouped_mm(inter, down.transpose(1, 2), offs=offs).float()
+    else:
+        counts = (offsets[1:] - offsets[:-1]).tolist()
+        outs, start = [], 0
+        for ex, n in enumerate(counts):
+            gate, up = F.linear(rows[start : start + n], gate_up[ex]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, down[ex]).float())
+            start += n
+        y = torch.cat(outs)
+    per_slot = torch.empty_like(y)
+    per_slot = per_slot.index_copy(0, order, y)
+    return (per_slot.view(t, k, -1) * weights.float().unsqueeze(-1)).sum(1).to(x.dtype)
+
+
+class _Experts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, index, weights, gate_up, down):
+        ctx.save_for_backward(x, index, weights, gate_up, down)
+        return experts_forward(x, index, weights, gate_up, down)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, index, weights, gate_up, down = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        with torch.enable_grad():
+            wants = (needs[0], needs[2], needs[3], needs[4])
+            tensors = (x, weights, gate_up, down)
+            inputs = [t.detach().requires_grad_(n) for t, n in zip(tensors, wants, strict=True)]
+            out = _stock_experts(inputs[0], index, inputs[1], inputs[2], inputs[3])
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
+        gx, gw, ggu, gd = (next(grads) if t.requires_grad else None for t in inputs)
+        return gx, None, gw, ggu, gd
+
+
+def experts(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """Batch-invariant experts on CUDA, differentiable (see the module docstring)."""
+    if torch.is_grad_enabled() and any(
+        t.requires_grad for t in (hidden_states, top_k_weights, gate_up_proj, down_proj)
+    ):
+        return _Experts.apply(hidden_states, top_k_index, top_k_weights.contiguous(), gate_up_proj, down_proj)
+    return experts_forward(hidden_states, top_k_index, top_k_weights.contiguous(), gate_up_proj, down_proj)
