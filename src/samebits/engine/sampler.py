@@ -3,8 +3,9 @@
 The reported log-prob is `log_softmax(logits.float() / T)` of the unmodified
 distribution at the sampled token (T = 1 for greedy). What is sampled may be
 narrowed by top-k, top-p and min_tokens; that changes the choice only.
-Randomness is a pure function of (request seed, output index): a request gets
-the same tokens alone, in any batch, and after preemption.
+Randomness is a pure function of (request seed, output index, token id),
+computed on the logits' device by a counter-based hash: a request gets the same
+tokens alone, in any batch, and after preemption.
 """
 
 from __future__ import annotations
@@ -29,13 +30,39 @@ class SampleRequest:
     banned: tuple[int, ...] = ()  # tokens not to sample yet (eos/stop before min_tokens)
 
 
-def _generator(seed: int, output_index: int) -> torch.Generator:
+_M32 = 0xFFFFFFFF
+
+
+def _row_keys(seed: int, output_index: int) -> tuple[int, int]:
+    """Two 32-bit keys for one (seed, output index): the row's whole randomness."""
     mixed = (seed * 0x9E3779B97F4A7C15 + output_index * 0xBF58476D1CE4E5B9 + 1) & _MASK64
-    return torch.Generator(device="cpu").manual_seed(mixed)
+    mixed ^= mixed >> 31
+    return mixed & _M32, (mixed >> 32) & _M32
+
+
+def _fmix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer on int64 lanes; multipliers < 2**31 keep products < 2**63."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & _M32
+    return x ^ (x >> 16)
+
+
+def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """keys [N, 2] int64 -> Exp(1) noise [N, V] float32, a pure function of (keys, token id).
+
+    Counter-based, so it is computed on the logits' device with no generator state: the
+    same row gets the same noise alone, in any batch and after preemption.
+    """
+    ids = torch.arange(vocab, device=keys.device, dtype=torch.int64)[None, :]
+    x = _fmix(_fmix(ids ^ keys[:, :1]) ^ keys[:, 1:])
+    u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 random bits
+    return -torch.log(u)
 
 
 def _narrow(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Zero the tokens outside top-k / top-p (probs [V] float32, on CPU)."""
+    """Zero the tokens outside top-k / top-p (probs [V] float32)."""
     if params.top_k != -1 and params.top_k < probs.numel():
         kth = torch.topk(probs, params.top_k).values[-1]
         probs = torch.where(probs >= kth, probs, 0.0)
@@ -49,31 +76,24 @@ def _narrow(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample_one(logprobs_row: torch.Tensor, logits_row: torch.Tensor, req: SampleRequest) -> int:
-    """Choose one token for one row (logprobs_row is the reported distribution)."""
-    if req.params.temperature == 0:
-        scores = logits_row.float().cpu().clone()
-        if req.banned:
-            scores[list(req.banned)] = float("-inf")
-        return int(torch.argmax(scores))
-    probs = logprobs_row.cpu().exp()
-    if req.banned:
-        probs[list(req.banned)] = 0.0
-    probs = _narrow(probs, req.params)
-    if not bool((probs > 0).any()):  # everything allowed underflowed: take the best allowed logit
-        scores = logits_row.float().cpu().clone()
-        if req.banned:
-            scores[list(req.banned)] = float("-inf")
-        return int(torch.argmax(scores))
-    noise = torch.empty_like(probs).exponential_(generator=_generator(req.seed, req.output_index))
-    return int(torch.argmax(probs / noise))  # exponential race: P(i) = probs[i] / sum(probs)
-
-
 def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> list[tuple[int, float]]:
-    """logits [N, V] -> (token, float32 log-prob) per row."""
-    lps = reported_logprobs(logits, [r.params.temperature for r in reqs])
-    out = []
+    """logits [N, V] -> (token, float32 log-prob) per row; one host sync for the batch."""
+    n, vocab = logits.shape
+    dev = logits.device
+    lps = reported_logprobs(logits, [r.params.temperature for r in reqs])  # [N, V] float32
+    probs = lps.exp()
+    scores = logits.float()  # greedy rows and the underflow fallback choose by logit
     for i, req in enumerate(reqs):
-        token = sample_one(lps[i], logits[i], req)
-        out.append((token, float(lps[i, token])))
-    return out
+        if req.banned:
+            banned = torch.tensor(req.banned, device=dev)
+            probs[i, banned] = 0.0
+            scores[i, banned] = float("-inf")
+        if req.params.temperature > 0 and (req.params.top_k != -1 or req.params.top_p < 1.0):
+            probs[i] = _narrow(probs[i], req.params)
+    keys = torch.tensor([_row_keys(r.seed, r.output_index) for r in reqs], dtype=torch.int64).to(dev)
+    raced = torch.argmax(probs / exponential_noise(keys.view(n, 2), vocab), dim=-1)  # P(i) = p_i / sum p
+    random_row = torch.tensor([r.params.temperature > 0 for r in reqs], device=dev)
+    usable = (probs > 0).any(dim=-1) & random_row  # all allowed probabilities underflowed: take the best logit
+    tokens = torch.where(usable, raced, torch.argmax(scores, dim=-1))
+    chosen = lps.gather(1, tokens[:, None])[:, 0]
+    return list(zip(tokens.tolist(), chosen.tolist(), strict=True))
