@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 from samebits.engine.block_manager import BlockManager
+from samebits.engine.cuda_graphs import graph_sizes
+from samebits.engine.multimodal import as_multimodal
 from samebits.engine.runner import ModelRunner
 from samebits.engine.sampler import SampleRequest
 from samebits.engine.sampling_params import SamplingParams
@@ -20,6 +22,7 @@ from samebits.engine.scheduler import Scheduler
 from samebits.engine.sequence import Sequence as Seq
 from samebits.model.config import ModelConfig
 from samebits.model.loader import load_state_dict
+from samebits.model.omni_config import is_omni_checkpoint
 from samebits.model.qwen3_moe import Qwen3MoeForCausalLM
 from samebits.numerics.ops import rotary_inv_freq
 
@@ -51,6 +54,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     numerics: str = "exact"
+    cuda_graphs: bool = True  # decode steps in CUDA graphs (CUDA only; bitwise equal to eager)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -73,11 +77,19 @@ class EngineConfig:
                 f"num_blocks * block_size ({self.num_blocks} * {self.block_size}) must hold one "
                 f"sequence of max_model_len ({self.max_model_len}) tokens; raise num_blocks"
             )
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         _check_device(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    def graph_sizes(self) -> tuple[int, ...]:
+        """Batch sizes whose decode steps run as CUDA graphs (none on the CPU)."""
+        if not self.cuda_graphs or torch.device(self.device).type != "cuda":
+            return ()
+        return graph_sizes(self.max_num_seqs)
 
     def resolved_num_blocks(self) -> int:
         per_seq = -(-self.max_model_len // self.block_size)
@@ -98,18 +110,32 @@ class LLM:
         self.engine = EngineConfig(**engine_kwargs)
         dtype = self.engine.torch_dtype
         self.path = Path(model)
-        self.config, state = load_state_dict(self.path, dtype=dtype)
+        self.omni = None  # an OmniFrontend for a Qwen3-Omni checkpoint (docs/omni.md)
+        if is_omni_checkpoint(self.path):
+            from samebits.engine.omni import OmniFrontend
+
+            self.omni = OmniFrontend(self.path, dtype, self.engine.device)
+            self.config, state = self.omni.config.text, None
+        else:
+            self.config, state = load_state_dict(self.path, dtype=dtype)
         if self.engine.max_model_len > self.config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({self.engine.max_model_len}) exceeds the model's "
                 f"max_position_embeddings ({self.config.max_position_embeddings})"
             )
-        self.model = _build_model(self.config, state, self.engine.device)
+        self.model = self.omni.model if self.omni else _build_model(self.config, state, self.engine.device)
         del state
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         num_blocks = self.engine.resolved_num_blocks()
-        self.runner = ModelRunner(
-            self.model, self.config, num_blocks, self.engine.block_size, self.engine.device, dtype
+        self.runner = (ModelRunner if self.omni is None else _omni_runner())(
+            self.model,
+            self.config,
+            num_blocks,
+            self.engine.block_size,
+            self.engine.device,
+            dtype,
+            graph_sizes=self.engine.graph_sizes(),
+            max_model_len=self.engine.max_model_len,
         )
         self.block_manager = BlockManager(num_blocks, self.engine.block_size)
         self.scheduler = Scheduler(
@@ -142,9 +168,12 @@ class LLM:
         token_lists = [
             self._validate(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, per_request, strict=True))
         ]
+        states = self._multimodal_states(prompts, token_lists)
         seqs = [
             self._new_seq(i, ids, sp) for i, (ids, sp) in enumerate(zip(token_lists, per_request, strict=True))
         ]
+        for seq, state in zip(seqs, states, strict=True):
+            seq.multimodal = state
         for seq in seqs:
             self.scheduler.add(seq)
         try:
@@ -173,6 +202,13 @@ class LLM:
         problem = sp.problem()
         if problem:
             raise ValueError(f"request {i}: {problem}")
+        try:
+            mm = as_multimodal(prompt)
+        except ValueError as e:
+            raise ValueError(f"request {i}: {e}") from e
+        if mm is not None and self.omni is None:
+            raise ValueError(f"request {i}: a multimodal prompt needs a Qwen3-Omni checkpoint")
+        prompt = prompt if mm is None else mm.prompt_token_ids
         ids = self._tokenize(i, prompt) if isinstance(prompt, str) else prompt
         if not isinstance(ids, Sequence) or not all(_is_int(t) for t in ids):
             raise ValueError(f"request {i}: prompt must be a list of int token ids or a str")
@@ -213,6 +249,15 @@ class LLM:
                 ) from e
         return self._tokenizer(text)["input_ids"]
 
+    def _multimodal_states(self, prompts, token_lists) -> list:
+        """Each request's multimodal state (Omni checkpoints only), checked before anything runs."""
+        if self.omni is None:
+            return [None] * len(prompts)
+        return [
+            self.omni.state(i, as_multimodal(p), ids)
+            for i, (p, ids) in enumerate(zip(prompts, token_lists, strict=True))
+        ]
+
     def _new_seq(self, i: int, ids: list[int], sp: SamplingParams) -> Seq:
         seq = Seq(seq_id=next(self._ids), index=i, prompt_token_ids=ids, params=sp)
         seq.seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
@@ -241,6 +286,8 @@ class LLM:
         if seq.num_output_tokens < sp.min_tokens:
             stops = tuple(sp.stop_token_ids or ())
             banned = stops + (() if sp.ignore_eos else tuple(self.config.eos_token_id))
+        if self.omni is not None:
+            banned += self.omni.never_sample
         return SampleRequest(sp, seq.seed, seq.num_output_tokens, banned)
 
     # -- colocation -----------------------------------------------------------------------
@@ -313,6 +360,12 @@ def _check_device(device: str) -> None:
     major, _ = torch.cuda.get_device_capability(dev)
     if major < 8:
         raise ValueError(f"device {device!r} is sm_{major}x; samebits' Triton kernels need sm_80 or newer")
+
+
+def _omni_runner():
+    from samebits.engine.omni_runner import OmniModelRunner
+
+    return OmniModelRunner
 
 
 def _build_model(cfg: ModelConfig, state: dict, device: str) -> Qwen3MoeForCausalLM:

@@ -35,6 +35,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        self.multimodal = None  # a MultimodalState for Qwen3-Omni requests (engine/multimodal.py)
 
     @property
     def num_tokens(self) -> int:

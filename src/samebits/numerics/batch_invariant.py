@@ -81,7 +81,9 @@ def _one_float_dim(x, dim) -> bool:
 
 def _sum_dim(x, dim, keepdim=False, *, dtype=None):
     if not _one_float_dim(x, dim) or (dtype is not None and not dtype.is_floating_point):
-        out = torch.empty(0, dtype=dtype or x.dtype, device=x.device)
+        # aten's own result dtype: bool and integer sums are int64 unless dtype says otherwise
+        default = x.dtype if x.is_floating_point() or x.is_complex() else torch.int64
+        out = torch.empty(0, dtype=dtype or default, device=x.device)
         return torch.ops.aten.sum.IntList_out(x, dim, keepdim, dtype=dtype, out=out)
     acc = x.to(dtype) if dtype is not None else x
     low = acc.dtype in (torch.bfloat16, torch.float16)

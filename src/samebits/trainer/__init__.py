@@ -7,6 +7,7 @@ from samebits.trainer.logprobs import (
     reset_rotary_inv_freq,
     token_logprobs,
 )
+from samebits.trainer.omni import load_hf_thinker
 from samebits.trainer.registration import register
 
 register()
@@ -15,6 +16,7 @@ __all__ = [
     "RotaryMismatchError",
     "check_rotary_inv_freq",
     "load_hf_model",
+    "load_hf_thinker",
     "register",
     "reset_rotary_inv_freq",
     "token_logprobs",

@@ -66,6 +66,7 @@ def token_logprobs(
     packed: bool = False,
     temperature: float = 1.0,
     with_grad: bool = False,
+    multimodal: Sequence | None = None,
 ) -> list[torch.Tensor]:
     """Teacher-forced log-prob of every response token, one float32 tensor per sequence.
 
@@ -74,12 +75,23 @@ def token_logprobs(
     them in one forward of shape [1, sum(len)] with positions restarting at 0
     per sequence. Log-probs are `log_softmax(logits.float() / temperature)` at
     the next token (temperature 0 means 1, as for greedy rollouts).
+
+    For the Qwen3-Omni thinker (`trainer.load_hf_thinker`), multimodal[i] is sequence i's
+    prompt as given to `LLM.generate` (a MultimodalPrompt or processor dict; None: text only).
     """
     if len(sequences) != len(prompt_lens):
         raise ValueError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt_lens")
     for i, (seq, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
         if not 1 <= p <= len(seq):
             raise ValueError(f"sequence {i}: prompt_len {p} must be in [1, {len(seq)}]")
+    from samebits.trainer import omni
+
+    if omni.is_thinker(model):
+        return omni.thinker_token_logprobs(
+            model, sequences, prompt_lens, multimodal, packed, temperature, with_grad
+        )
+    if multimodal is not None:
+        raise ValueError("multimodal inputs need the Qwen3-Omni thinker (trainer.load_hf_thinker)")
     check_rotary_inv_freq(model)
     temp = 1.0 if temperature == 0 else float(temperature)
     device = next(model.parameters()).device
