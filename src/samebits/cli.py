@@ -51,6 +51,7 @@ def _rl(args) -> int:
         reward=args.reward,
         seed=args.seed,
         trainer_experts=args.trainer_experts,
+        update_kernels=args.update_kernels,
         digest_tensors=None if args.digest == "all" else tuple(args.digest.split(",")),
         out_dir=args.out,
     )
@@ -89,7 +90,7 @@ def _add_rl(sub) -> None:
         "--force-max-length", action="store_true", help="every response exactly --max-tokens (ignore eos)"
     )
     r.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1)")
-    r.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (default 1e-2)")
+    r.add_argument("--lr", type=float, default=3e-2, help="AdamW learning rate (default 3e-2)")
     r.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm (default 1)")
     r.add_argument("--clip-eps", type=float, default=0.2, help="ratio clip range 1 +- eps (default 0.2)")
     r.add_argument("--mini-batches", type=int, default=4, help="optimizer steps per rollout batch (default 4)")
@@ -109,6 +110,12 @@ def _add_rl(sub) -> None:
         default="samebits",
         choices=["samebits", "grouped_mm", "eager"],
         help="trainer experts implementation; grouped_mm is the negative control (must mismatch)",
+    )
+    r.add_argument(
+        "--update-kernels",
+        default="batch_invariant",
+        choices=["batch_invariant", "stock"],
+        help="kernels of the update forward; stock is the negative control of the old-log-prob check",
     )
     r.add_argument("--digest", default="all", help="'all' or comma-separated parameter names to digest")
     r.add_argument("--out", default="runs/rl", help="output dir: metrics.jsonl, metrics.png, checkpoint.pt")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 ALGORITHMS = ("gspo", "grpo")
 DTYPES = ("bfloat16", "float32")
 EXPERTS = ("samebits", "grouped_mm", "eager")
+UPDATE_KERNELS = ("batch_invariant", "stock")
 
 # short names for common parameter groups (name substrings of HF Qwen3-MoE parameters)
 FREEZE_GROUPS = {
@@ -41,7 +42,7 @@ class RLConfig:
     max_tokens: int = 24
     force_max_length: bool = False
     temperature: float = 1.0
-    lr: float = 1e-2  # tuned for the tiny model: the toy reward rises within 5 steps
+    lr: float = 3e-2  # tuned for the tiny model: the toy reward rises within 5 steps
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float = 1.0
@@ -53,7 +54,10 @@ class RLConfig:
     freeze: tuple[str, ...] = ()
     reward: str = "toy"  # "toy", "hash", or "module:function"
     seed: int = 0
-    trainer_experts: str = "samebits"  # "grouped_mm": the negative control
+    trainer_experts: str = "samebits"  # "grouped_mm": negative control of the rollout comparison
+    # "stock": the update forward runs outside batch_invariant() (stock GEMMs and reductions),
+    # the negative control of the old-log-prob comparison
+    update_kernels: str = "batch_invariant"
     digest_tensors: tuple[str, ...] | None = None  # None: every parameter
     out_dir: str | None = None
 
@@ -61,6 +65,7 @@ class RLConfig:
         _one_of("algorithm", self.algorithm, ALGORITHMS)
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("trainer_experts", self.trainer_experts, EXPERTS)
+        _one_of("update_kernels", self.update_kernels, UPDATE_KERNELS)
         for name in ("steps", "num_prompts", "prompt_len", "max_tokens", "mini_batches", "micro_batch_tokens"):
             _int_at_least(name, getattr(self, name), 1)
         _int_at_least("n", self.n, 2)  # a group of one has no spread to normalise by

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
@@ -162,7 +163,7 @@ class RLLoop:
         old_cmp = [0, 0, 0.0]
         for k, mini in enumerate(split_mini_batches(len(seqs), cfg.mini_batches)):
             for micro in pack_micro_batches(mini, lengths, cfg.micro_batch_tokens):
-                with batch_invariant():
+                with batch_invariant() if cfg.update_kernels == "batch_invariant" else nullcontext():
                     new = trainer.token_logprobs(
                         self.model,
                         [seqs[i] for i in micro],

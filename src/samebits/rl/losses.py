@@ -23,7 +23,8 @@ def group_advantages(rewards: torch.Tensor, n: int, eps: float = 1e-6) -> torch.
     groups = rewards.float().view(-1, n)  # [P, n]
     mean = groups.mean(dim=1, keepdim=True)
     std = groups.std(dim=1, keepdim=True)
-    return ((groups - mean) / (std + eps)).reshape(-1)
+    centred = groups - mean
+    return torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred)).reshape(-1)
 
 
 def _clipped_objective(ratio, adv, eps):

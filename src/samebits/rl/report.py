@@ -79,6 +79,7 @@ def plot(rows: list[dict], path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     steps = [r["step"] for r in rows]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
@@ -98,6 +99,7 @@ def plot(rows: list[dict], path: Path) -> Path:
         bottom.plot(steps, [r[key] for r in rows], marker="o", label=label)
     bottom.set_ylabel("mismatching tokens / tensors")
     bottom.set_xlabel("step")
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.legend()
     fig.suptitle("samebits rl: reward and bitwise mismatch counts")
     fig.tight_layout()
