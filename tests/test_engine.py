@@ -142,7 +142,7 @@ def test_stop_eos_and_min_tokens(llm):
 
 def test_engine_construction_errors(tiny):
     with pytest.raises(ValueError, match="numerics"):
-        LLM(tiny, numerics="fast")
+        LLM(tiny, numerics="bf16-ish")
     with pytest.raises(ValueError, match="num_blocks"):
         LLM(tiny, max_model_len=128, block_size=16, num_blocks=4)
     with pytest.raises(ValueError, match="max_num_seqs"):
@@ -173,3 +173,14 @@ def test_update_weights_all_or_nothing_and_digests(tiny):
     assert after[name] != before[name] and after[name] == tensor_digest(good)
     out_after = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=8, seed=1))[0]
     assert not torch.equal(out_before.logprobs, out_after.logprobs)
+
+
+def test_fast_profile_runs_and_is_not_the_exact_numerics(tiny, llm):
+    """numerics="fast" swaps in stock kernels: same tokens machinery, other log-prob bits."""
+    prompts, params = _requests(llm.config.vocab_size)
+    greedy = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * len(prompts)
+    fast = LLM(tiny, max_num_seqs=4, max_model_len=128, numerics="fast")
+    assert fast.model.profile.name == "fast"
+    a, b = fast.generate(prompts, greedy), llm.generate(prompts, greedy)
+    assert all(len(o.token_ids) == 12 for o in a)
+    assert any(not torch.equal(x.logprobs[:1], y.logprobs[:1]) for x, y in zip(a, b, strict=True))

@@ -25,8 +25,9 @@ from samebits.model.loader import load_state_dict
 from samebits.model.omni_config import is_omni_checkpoint
 from samebits.model.qwen3_moe import Qwen3MoeForCausalLM
 from samebits.numerics.ops import rotary_inv_freq
+from samebits.numerics.profile import PROFILES
 
-NUMERICS = ("exact",)
+NUMERICS = tuple(PROFILES)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -62,7 +63,7 @@ class EngineConfig:
         if self.numerics not in NUMERICS:
             raise ValueError(
                 f"numerics must be one of {NUMERICS}, got {self.numerics!r} "
-                "(the 'fast' profile comes with the GPU kernels)"
+                "('exact': bitwise equal to the trainer; 'fast': stock kernels, batch-dependent)"
             )
         for name in ("max_num_seqs", "max_model_len", "block_size"):
             value = getattr(self, name)
@@ -117,13 +118,15 @@ class LLM:
             self.omni = OmniFrontend(self.path, dtype, self.engine.device)
             self.config, state = self.omni.config.text, None
         else:
-            self.config, state = load_state_dict(self.path, dtype=dtype)
+            self.config, state = load_state_dict(self.path, dtype=dtype, device=self.engine.device)
         if self.engine.max_model_len > self.config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({self.engine.max_model_len}) exceeds the model's "
                 f"max_position_embeddings ({self.config.max_position_embeddings})"
             )
-        self.model = self.omni.model if self.omni else _build_model(self.config, state, self.engine.device)
+        profile = PROFILES[self.engine.numerics]
+        device = self.engine.device
+        self.model = self.omni.model if self.omni else _build_model(self.config, state, device, profile)
         del state
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         num_blocks = self.engine.resolved_num_blocks()
@@ -368,9 +371,9 @@ def _omni_runner():
     return OmniModelRunner
 
 
-def _build_model(cfg: ModelConfig, state: dict, device: str) -> Qwen3MoeForCausalLM:
+def _build_model(cfg: ModelConfig, state: dict, device: str, profile) -> Qwen3MoeForCausalLM:
     with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(cfg)
+        model = Qwen3MoeForCausalLM(cfg, profile)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -1,28 +1,46 @@
 """The only room that touches the device: the model, the KV cache, one step.
 
 A step turns a `ScheduledBatch` into flat tokens [T], a
-`PagedAttentionMetadata`, one forward under `batch_invariant()`, logits for the
-rows that sample, and sampled (token, log-prob) pairs.
+`PagedAttentionMetadata`, one forward under the model's numerics profile
+(`batch_invariant()` when exact), logits for the rows that sample, and sampled
+(token, log-prob) pairs.
 """
 
 from __future__ import annotations
 
 import torch
 
+from samebits.engine.cuda_graphs import DecodeGraphs
 from samebits.engine.sampler import SampleRequest, sample
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.model.attention import PagedAttentionMetadata
 from samebits.model.config import ModelConfig
-from samebits.numerics.batch_invariant import batch_invariant
+from samebits.numerics.profile import EXACT
 
 
 class ModelRunner:
-    def __init__(self, model, cfg: ModelConfig, num_blocks: int, block_size: int, device, dtype):
+    def __init__(
+        self,
+        model,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        device,
+        dtype,
+        graph_sizes: tuple[int, ...] = (),
+        max_model_len: int = 0,
+    ):
         self.model = model
+        self.profile = getattr(model, "profile", EXACT)
         self.cfg = cfg
         self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = dtype
+        self.graphs = None
+        if graph_sizes:  # one more block than the block manager hands out: the padding rows' dummy
+            max_pages = -(-max_model_len // block_size)
+            self.graphs = DecodeGraphs(self, graph_sizes, max_pages, dummy_block=num_blocks)
+            num_blocks += 1
         slots = num_blocks * block_size
         shape = (slots, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [
@@ -110,8 +128,12 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, reqs: list[SampleRequest]) -> list[tuple[int, float]]:
         """One forward; (token, log-prob) for each sampling chunk, in chunk order."""
+        with self.profile.context():
+            size = self.graphs.size_for(batch) if self.graphs is not None else None
+            if size is not None:
+                return sample(self.graphs.run(batch, size), reqs)
         input_ids, meta, sample_rows = self.prepare(batch)
-        with batch_invariant():
+        with self.profile.context():
             hidden = self.model(input_ids, meta, self.kv_caches)  # [T, H]
             if not sample_rows:
                 return []
@@ -125,6 +147,8 @@ class ModelRunner:
         if self.kv_caches:
             self._kv_shape = tuple(self.kv_caches[0][0].shape)  # [slots, KVH, D]
         self.kv_caches = []
+        if self.graphs is not None:
+            self.graphs.reset()  # they hold the old cache's addresses
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -127,12 +127,14 @@ def attention(
     scale: float,
     page_size: int,
     out: torch.Tensor | None = None,
+    block_n: int = BLOCK_N,
 ) -> torch.Tensor:
     """Causal attention of every query over its own sequence's keys 0..p -> [T, H, D].
 
     Query i of sequence b sits at position ctx_len[b] - q_len[b] + i. The K/V of
     this call's tokens must already be in the cache. Rows of T that belong to no
-    sequence are left untouched in `out`.
+    sequence are left untouched in `out`. `block_n` exists for experiments and negative
+    controls: the engine and the trainer always use BLOCK_N.
     """
     check_attention_inputs(q, k_cache, v_cache)
     t, h, d = q.shape
@@ -174,7 +176,7 @@ def attention(
         D=d,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=block_n,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )

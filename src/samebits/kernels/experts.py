@@ -84,3 +84,45 @@ def experts(
 
 def _is_silu(fn) -> bool:
     return fn is F.silu or isinstance(fn, torch.nn.SiLU) or type(fn).__name__ == "SiLUActivation"
+
+
+def experts_stock(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """The same function in stock torch kernels (`torch._grouped_mm` on CUDA): fast, not
+    batch invariant. The `fast` profile, and the backward of samebits' CUDA experts."""
+    t, k = top_k_index.shape
+    order, offsets = route(top_k_index, gate_up_proj.shape[0])
+    order = order.long()
+    rows = hidden_states[order // k]  # [N, H] sorted by expert
+    if hidden_states.is_cuda:
+        offs = offsets[1:]
+        gate, up = torch._grouped_mm(rows, gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs=offs).float()
+    else:
+        outs, start = [], 0
+        for e, n in enumerate((offsets[1:] - offsets[:-1]).tolist()):
+            gate, up = F.linear(rows[start : start + n], gate_up_proj[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, down_proj[e]).float())
+            start += n
+        y = torch.cat(outs)
+    per_slot = torch.zeros_like(y).index_copy(0, order, y)
+    return (per_slot.view(t, k, -1) * top_k_weights.float().unsqueeze(-1)).sum(1).to(hidden_states.dtype)
+
+
+def route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, K] expert ids -> (order [N] int32: pair ids sorted by expert, stably; offsets [E + 1] int32).
+
+    Device ops only, no host sync.
+    """
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True).to(torch.int32)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    return order, offsets

@@ -27,10 +27,10 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from samebits.kernels.experts import route
 from samebits.kernels.reduce import tree_sum_ref
 
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 64, 64, 4, 3
@@ -130,28 +130,18 @@ def down_kernel(
         )
 
 
-def route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, K] expert ids -> (order [N] int32: pair ids sorted by expert, stably; offsets [E + 1] int32).
-
-    Device ops only, no host sync.
-    """
-    flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True).to(torch.int32)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
-    offsets[1:] = torch.cumsum(counts, 0)
-    return order, offsets
-
-
 def experts_forward(
     hidden_states: torch.Tensor,  # [T, H]
     top_k_index: torch.Tensor,  # [T, K]
     top_k_weights: torch.Tensor,  # [T, K]
     gate_up_proj: torch.Tensor,  # [E, 2I, H]
     down_proj: torch.Tensor,  # [E, H, I]
+    block_k: int = BLOCK_K,
 ) -> torch.Tensor:
-    """Sum over k of `weight_k * down_e(silu(gate_e(x)) * up_e(x))` -> [T, H], batch invariant."""
+    """Sum over k of `weight_k * down_e(silu(gate_e(x)) * up_e(x))` -> [T, H], batch invariant.
+
+    `block_k` exists for experiments and negative controls; samebits always uses BLOCK_K.
+    """
     _check(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
     t, k = top_k_index.shape
     e, two_i, h = gate_up_proj.shape
@@ -175,7 +165,7 @@ def experts_forward(
         inter.stride(0),
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
+        BLOCK_K=block_k,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )
@@ -195,7 +185,7 @@ def experts_forward(
         per_slot.stride(0),
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
+        BLOCK_K=block_k,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )
@@ -223,32 +213,6 @@ def _check(x, index, weights, gate_up, down) -> None:
         raise ValueError("experts (Triton): top_k_weights must be contiguous")
 
 
-def _stock_experts(x, index, weights, gate_up, down) -> torch.Tensor:
-    """The same function in stock differentiable torch ops (for the backward only)."""
-    t, k = index.shape
-    e = gate_up.shape[0]
-    order, offsets = route(index, e)
-    order = order.long()
-    rows = x[order // k]  # [N, H] sorted by expert
-    if hasattr(torch, "_grouped_mm") and x.is_cuda:
-        offs = offsets[1:]
-        gu = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)
-        gate, up = gu.chunk(2, dim=-1)
-        inter = F.silu(gate) * up
-        y = torch._grouped_mm(inter, down.transpose(1, 2), offs=offs).float()
-    else:
-        counts = (offsets[1:] - offsets[:-1]).tolist()
-        outs, start = [], 0
-        for ex, n in enumerate(counts):
-            gate, up = F.linear(rows[start : start + n], gate_up[ex]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, down[ex]).float())
-            start += n
-        y = torch.cat(outs)
-    per_slot = torch.empty_like(y)
-    per_slot = per_slot.index_copy(0, order, y)
-    return (per_slot.view(t, k, -1) * weights.float().unsqueeze(-1)).sum(1).to(x.dtype)
-
-
 class _Experts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, index, weights, gate_up, down):
@@ -258,12 +222,14 @@ class _Experts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, index, weights, gate_up, down = ctx.saved_tensors
+        from samebits.kernels.experts import experts_stock
+
         needs = ctx.needs_input_grad
         with torch.enable_grad():
             wants = (needs[0], needs[2], needs[3], needs[4])
             tensors = (x, weights, gate_up, down)
             inputs = [t.detach().requires_grad_(n) for t, n in zip(tensors, wants, strict=True)]
-            out = _stock_experts(inputs[0], index, inputs[1], inputs[2], inputs[3])
+            out = experts_stock(inputs[0], index, inputs[1], inputs[2], inputs[3])
             wanted = [t for t in inputs if t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
         gx, gw, ggu, gd = (next(grads) if t.requires_grad else None for t in inputs)
