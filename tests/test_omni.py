@@ -178,7 +178,7 @@ def test_negative_control_deepstack_into_split_residual(ckpts, rollout):
         wrong = llm.generate(list(PROMPTS.values()), _params(len(PROMPTS)))
     finally:
         text_model.__class__ = ThinkerTextModel
-    lps = _recompute(ckpts["full"], outs, packed=True)
+    lps = _recompute(ckpts["full"], wrong, packed=True)  # the trainer on the wrong rollout's own tokens
     counts = _mismatches(wrong, lps)
     assert counts["text"] == 0 and counts["audio"] == 0, counts
     assert counts["image"] > 0 and counts["video"] > 0 and counts["mixed"] > 0, counts

@@ -1,0 +1,46 @@
+"""The Qwen3-Omni thinker on CUDA: rollout vs trainer, bitwise, with the deepstack negative control.
+
+Tiny thinker (all modalities), then a 2-layer cut of the real thinker shape with the released
+encoder shapes (image, video, mixed). The 48-layer run is `benchmarks/probe_omni.py`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+_PROBE = Path(__file__).resolve().parents[1] / "benchmarks" / "probe_omni.py"
+
+
+def _probe():
+    spec = importlib.util.spec_from_file_location("probe_omni", _PROBE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check(results):
+    from samebits import verify
+
+    bad = [(r.arm, r.mismatches, r.total) for r in results if not r.passed]
+    assert not bad, bad
+    assert verify.passed(results)
+    assert any(not r.exact for r in results)
+
+
+def test_tiny_thinker_parity_cuda(tmp_path):
+    from samebits.model.tiny_omni import build_tiny_omni_checkpoint
+
+    probe = _probe()
+    path = build_tiny_omni_checkpoint(tmp_path / "tiny", seed=0)
+    _check(probe.run(path, probe.tiny_prompts(), "cuda", tokens=64, seed=0, log=lambda *_: None))
+
+
+def test_real_shape_thinker_cut_parity_cuda(tmp_path):
+    probe = _probe()
+    path = probe.write_random_thinker(tmp_path / "real", layers=2, seed=0, device="cuda")
+    _check(probe.run(path, probe.real_prompts(0), "cuda", tokens=64, seed=0, log=lambda *_: None))
