@@ -11,6 +11,7 @@ that cannot fail proves nothing.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -61,8 +62,19 @@ def _trainer_logprobs(path, device, dtype, seqs, prompt_lens, packed, invariant=
     from samebits import trainer
 
     model = trainer.load_hf_model(path, device=device, dtype=dtype, **impl)
-    with batch_invariant() if invariant else contextlib.nullcontext():
-        return trainer.token_logprobs(model, seqs, prompt_lens, packed=packed, temperature=1.0)
+    try:
+        with batch_invariant() if invariant else contextlib.nullcontext():
+            lps = trainer.token_logprobs(model, seqs, prompt_lens, packed=packed, temperature=1.0)
+        return [lp.cpu() for lp in lps]
+    finally:
+        del model
+        _free_device_memory()
+
+
+def _free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def run(
@@ -100,6 +112,8 @@ def run(
     seqs = [o.prompt_token_ids + o.token_ids for o in batched]
     plens = [len(o.prompt_token_ids) for o in batched]
     rollout = [o.logprobs for o in batched]
+    del llm  # the trainer models below need the memory (a 48-layer model is 61 GB)
+    _free_device_memory()
 
     results = [compare("rollout alone vs batched", 0, True, alone.logprobs, rollout[0])]
     if alone.token_ids != batched[0].token_ids:

@@ -53,6 +53,8 @@ def load_hf_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, **kwa
     """A transformers model with samebits experts and attention, rotary checked."""
     kwargs.setdefault("experts_implementation", "samebits")
     kwargs.setdefault("attn_implementation", "samebits")
+    if torch.device(device).type == "cuda":  # straight to the GPU: no full copy in host memory
+        kwargs.setdefault("device_map", str(device))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device)
     reset_rotary_inv_freq(model)
     model.eval()
