@@ -180,3 +180,12 @@ def test_ops_compiled_fullgraph_equal_eager(dtype, name):
         strict=True,
     ):
         _exact(a, b)
+
+
+def test_integer_and_bool_sums_keep_aten_dtype_under_batch_invariant():
+    """sum over bool/int tensors is int64 as in aten (transformers' get_rope_index subtracts from it)."""
+    x = torch.tensor([True, False, True])
+    with batch_invariant():
+        got = [x.sum(), x.sum(-1), torch.tensor([1, 2], dtype=torch.int32).sum(0)]
+    assert [t.dtype for t in got] == [torch.int64] * 3
+    assert [int(t) for t in got] == [2, 2, 3]

@@ -9,13 +9,20 @@ import pytest
 import torch
 
 from samebits import LLM, SamplingParams, batch_invariant, trainer
+from samebits.engine.llm import tensor_digest
 from samebits.engine.multimodal import MultimodalPrompt
 from samebits.engine.scheduler import ScheduledBatch, ScheduledChunk
 from samebits.engine.sequence import Sequence
 from samebits.model.config import UnsupportedCheckpointError
 from samebits.model.omni import SplitResidualDeepstackTextModel, ThinkerTextModel
 from samebits.model.omni_loader import load_thinker_weights
-from samebits.model.tiny_omni import audio_part, build_tiny_omni_checkpoint, image_part, make_prompt
+from samebits.model.tiny_omni import (
+    audio_part,
+    build_tiny_omni_checkpoint,
+    build_tiny_thinker,
+    image_part,
+    make_prompt,
+)
 
 MAX_LEN = 160
 
@@ -86,17 +93,60 @@ def rollout(ckpts):
 # -- loading ------------------------------------------------------------------------------
 
 
-def test_full_and_thinker_checkpoints_load_to_transformers_tensors(ckpts):
-    names = json.dumps(sorted(_disk_names(ckpts["full"])))
-    assert '"talker.' in names and '"code2wav.' in names and '"thinker.model.layers.0.mlp.experts.0.' in names
-    ref = dict(trainer.load_hf_thinker(ckpts["full"]).named_parameters())
-    for layout in ("full", "thinker"):
-        llm = LLM(ckpts[layout], max_model_len=64)
-        ours = dict(llm.model.named_parameters())
-        assert set(ours) == set(ref), layout  # HF 5.x thinker names: update_weights needs no conversion
-        for name, p in ours.items():
-            assert torch.equal(p, ref[name]), (layout, name)
+@pytest.mark.parametrize("layout", ["full", "thinker"])
+@pytest.mark.parametrize("per_expert", [True, False], ids=["released_names", "transformers5_names"])
+def test_every_layout_loads_to_transformers_tensors(tmp_path, layout, per_expert):
+    """Released names (thinker.model.layers, thinker.visual, per-expert) and transformers 5.x names
+    (model.language_model, model.visual, fused experts), full Omni or thinker only."""
+    path = build_tiny_omni_checkpoint(tmp_path / "c", seed=0, layout=layout, per_expert_layout=per_expert)
+    names = json.dumps(sorted(_disk_names(path)))
+    assert ('"talker.' in names and '"code2wav.' in names) == (layout == "full")
+    assert ('.mlp.experts.0.gate_proj.weight"' in names) == per_expert
+    assert ("model.language_model." in names) != per_expert
+    ref = dict(build_tiny_thinker(seed=0).named_parameters())
+    llm = LLM(path, max_model_len=64)
+    ours = dict(llm.model.named_parameters())
+    assert set(ours) == set(ref)  # HF 5.x thinker names: update_weights needs no conversion
+    for name, p in ours.items():
+        assert torch.equal(p, ref[name]), name
+
+
+def test_trainer_loads_the_same_weights_and_syncs_by_name(ckpts, rollout):
+    llm = rollout[0]
+    hf = trainer.load_hf_thinker(ckpts["full"])
+    params = dict(hf.named_parameters())
+    assert all(torch.equal(p, params[n]) for n, p in llm.model.named_parameters())
+    with torch.no_grad():
+        for name in (
+            "model.visual.blocks.0.attn.qkv.weight",
+            "model.language_model.layers.0.mlp.experts.down_proj",
+        ):
+            params[name].mul_(0.5)
+    names = list(params)
+    before = llm.weight_digests(names)
+    try:
+        llm.update_weights(hf.named_parameters())
+        assert llm.weight_digests(names) == {n: tensor_digest(p) for n, p in params.items()}
+    finally:
+        llm.update_weights(trainer.load_hf_thinker(ckpts["full"]).named_parameters())
+    assert llm.weight_digests(names) == before
     assert load_thinker_weights(ckpts["no_audio"])[1].audio is None
+
+
+def test_missing_encoder_tensor_refused_by_name(ckpts, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(ckpts["thinker"], tmp_path / "bad")
+    f = next(path.glob("*.safetensors"))
+    state = load_file(str(f))
+    del state["model.visual.blocks.1.mlp.linear_fc2.bias"]
+    save_file(state, str(f), metadata={"format": "pt"})
+    with pytest.raises(
+        UnsupportedCheckpointError, match=r"vision encoder: 1 tensor\(s\) missing.*blocks\.1\.mlp"
+    ):
+        LLM(path, max_model_len=64)
 
 
 def _disk_names(path) -> set[str]:
