@@ -162,6 +162,8 @@ def _disk_names(path) -> set[str]:
 def test_unsupported_thinker_configs_refused(ckpts, tmp_path):
     import shutil
 
+    with pytest.raises(ValueError, match="'exact' only"):
+        LLM(ckpts["thinker"], max_model_len=64, numerics="fast")
     path = shutil.copytree(ckpts["thinker"], tmp_path / "bad")
     cfg = json.loads((path / "config.json").read_text())
     cfg["text_config"]["rope_parameters"]["mrope_section"] = [4, 4, 5]

@@ -115,6 +115,8 @@ class LLM:
         if is_omni_checkpoint(self.path):
             from samebits.engine.omni import OmniFrontend
 
+            if self.engine.numerics != "exact":
+                raise ValueError(f"numerics {self.engine.numerics!r}: the Qwen3-Omni thinker runs 'exact' only")
             self.omni = OmniFrontend(self.path, dtype, self.engine.device)
             self.config, state = self.omni.config.text, None
         else:
@@ -137,7 +139,7 @@ class LLM:
             self.engine.block_size,
             self.engine.device,
             dtype,
-            graph_sizes=self.engine.graph_sizes(),
+            graph_sizes=self.engine.graph_sizes() if self.omni is None else (),  # Omni decode: eager
             max_model_len=self.engine.max_model_len,
         )
         self.block_manager = BlockManager(num_blocks, self.engine.block_size)
