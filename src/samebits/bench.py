@@ -127,6 +127,9 @@ def step_bytes(cfg: ModelConfig, batch: int, context: int, dtype_bytes: int = 2)
     return dtype_bytes * (cfg.num_hidden_layers * (per_layer + kv) + cfg.vocab_size * h + batch * h)
 
 
+replay_ms: dict[tuple[str, int], float] = {}  # (profile, batch) -> CUDA-graph replay alone
+
+
 def engine_step_ms(llm, batch: int, context: int, steps: int = 20) -> float:
     """Median-free mean time of `steps` decode steps of `batch` sequences at `context` tokens."""
     g = torch.Generator().manual_seed(batch)
@@ -140,14 +143,24 @@ def engine_step_ms(llm, batch: int, context: int, steps: int = 20) -> float:
     batch_ = ScheduledBatch([ScheduledChunk(s, context - 1, 1) for s in seqs])
     reqs = [SampleRequest(s.params, i, 0) for i, s in enumerate(seqs)]
     try:
-        for _ in range(3):
-            llm.runner.run(batch_, reqs)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            llm.runner.run(batch_, reqs)
-        torch.cuda.synchronize()
-        return 1000 * (time.perf_counter() - t0) / steps
+        with llm.runner.profile.context():  # as LLM.generate: installed once, not per step
+            for _ in range(3):
+                llm.runner.run(batch_, reqs)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                llm.runner.run(batch_, reqs)
+            torch.cuda.synchronize()
+            step = 1000 * (time.perf_counter() - t0) / steps
+            graphs = llm.runner.graphs
+            size = graphs.size_for(batch_) if graphs is not None else None
+            if size is not None and size in graphs.graphs:  # the replay alone: the GPU's share
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    graphs.graphs[size][0].replay()
+                torch.cuda.synchronize()
+                replay_ms[(llm.runner.profile.name, batch)] = 1000 * (time.perf_counter() - t0) / steps
+        return step
     finally:
         for s in seqs:
             llm.block_manager.free(s)
@@ -305,7 +318,11 @@ def run(
             for b in batches:
                 ms = engine_step_ms(llm, b, context, steps)
                 rows.append(Row(arm, b, context, ms, 1000 * b / ms, 1000 * step_bytes(cfg, b, context) / bw))
-                log(f"{arm:>6} batch {b:>4}: {ms:.2f} ms/step")
+                log(
+                    f"{arm:>6} batch {b:>4}: {ms:.2f} ms/step "
+                    f"(graph replay {replay_ms.get((arm, b), 0):.2f} ms)"
+                )
+        meta["graph_replay_ms"] = {f"{a}/batch {b}": ms for (a, b), ms in replay_ms.items()}
         del llm
         free_memory()
     trainer_rows: dict[str, float] = {}

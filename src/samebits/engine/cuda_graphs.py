@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from samebits.engine.sampler import SampleRequest, needs_host_rules, row_inputs, sample, sample_plain
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.model.attention import PagedAttentionMetadata
 
@@ -29,15 +30,16 @@ class DecodeGraphs:
         self.runner = runner
         self.sizes = sizes
         self.dummy_block = dummy_block
+        self.max_pages = max_pages
         dev, n = runner.device, max(sizes)
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=dev)
+        # rows: input ids, positions, cache slots, the two noise keys, random (1) or greedy (0)
+        self.i64 = torch.zeros(6, n, dtype=torch.long, device=dev)
         self.block_tables = torch.zeros(n, max_pages, dtype=torch.int32, device=dev)
+        self.ctx_len = torch.ones(n, dtype=torch.int32, device=dev)
         self.q_start = torch.arange(n, dtype=torch.int32, device=dev)
         self.q_len = torch.ones(n, dtype=torch.int32, device=dev)
-        self.ctx_len = torch.ones(n, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.temps = torch.ones(n, dtype=torch.float32, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.pool = None
 
     def reset(self) -> None:
@@ -48,23 +50,26 @@ class DecodeGraphs:
         """The padded size that can run this batch as a graph, or None (run it eagerly)."""
         if not all(c.num_tokens == 1 and c.samples for c in batch.chunks):
             return None
-        if any(len(c.seq.block_table) > self.block_tables.shape[1] for c in batch.chunks):
+        if any(len(c.seq.block_table) > self.max_pages for c in batch.chunks):
             return None
         return next((s for s in self.sizes if s >= len(batch.chunks)), None)
 
-    def run(self, batch: ScheduledBatch, size: int) -> torch.Tensor:
-        """Logits [B, V] of the batch's B sequences, from the graph of `size` rows."""
-        self._fill(batch, size)
+    def run(self, batch: ScheduledBatch, size: int, reqs: list[SampleRequest]) -> list[tuple[int, float]]:
+        """(token, log-prob) of the batch's B sequences, from the graph of `size` rows."""
+        self._fill(batch, size, reqs)
         if size not in self.graphs:
             self.graphs[size] = self._capture(size)
-        graph, logits = self.graphs[size]
+        graph, (logits, tokens, chosen) = self.graphs[size]
         graph.replay()
-        return logits[: len(batch.chunks)]
+        n = len(batch.chunks)
+        if needs_host_rules(reqs):  # banned tokens or top-k/top-p: the per-row path on the logits
+            return sample(logits[:n], reqs)
+        return list(zip(tokens[:n].tolist(), chosen[:n].tolist(), strict=True))
 
     def _meta(self, size: int) -> PagedAttentionMetadata:
         return PagedAttentionMetadata(
-            positions=self.positions[:size],
-            slot_mapping=self.slot_mapping[:size],
+            positions=self.i64[1, :size],
+            slot_mapping=self.i64[2, :size],
             block_tables=self.block_tables[:size],
             q_start=self.q_start[:size],
             q_len=self.q_len[:size],
@@ -73,33 +78,47 @@ class DecodeGraphs:
             block_size=self.runner.block_size,
         )
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int) -> tuple[torch.Tensor, ...]:
         model = self.runner.model
-        hidden = model(self.input_ids[:size], self._meta(size), self.runner.kv_caches)
-        return model.compute_logits(hidden)
+        hidden = model(self.i64[0, :size], self._meta(size), self.runner.kv_caches)
+        logits = model.compute_logits(hidden)
+        keys = self.i64[3:5, :size].t()
+        tokens, chosen = sample_plain(logits, self.temps[:size], keys, self.i64[5, :size] != 0)
+        return logits, tokens, chosen
 
-    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
         self._forward(size)  # compile every kernel for this size outside the capture
         torch.cuda.synchronize(self.runner.device)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(size)
-        return graph, logits
+            outs = self._forward(size)
+        return graph, outs
 
-    def _fill(self, batch: ScheduledBatch, size: int) -> None:
-        bs = self.runner.block_size
-        ids, pos, slots, ctx = [0] * size, [0] * size, [self.dummy_block * bs] * size, [1] * size
-        tables = torch.full((size, self.block_tables.shape[1]), self.dummy_block, dtype=torch.int32)
-        for i, c in enumerate(batch.chunks):
-            p = c.start
-            table = c.seq.block_table
-            ids[i], pos[i], ctx[i] = c.seq.token_ids[p], p, p + 1
-            slots[i] = table[p // bs] * bs + p % bs
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        self.input_ids[:size].copy_(torch.tensor(ids), non_blocking=True)
-        self.positions[:size].copy_(torch.tensor(pos), non_blocking=True)
-        self.slot_mapping[:size].copy_(torch.tensor(slots), non_blocking=True)
-        self.ctx_len[:size].copy_(torch.tensor(ctx, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:size].copy_(tables, non_blocking=True)
+    def _fill(self, batch: ScheduledBatch, size: int, reqs: list[SampleRequest]) -> None:
+        bs, pages, dummy = self.runner.block_size, self.max_pages, self.dummy_block
+        pad = size - len(batch.chunks)
+        ids, pos, slots, ctx, tables = [], [], [], [], []
+        for c in batch.chunks:
+            p, table = c.start, c.seq.block_table
+            ids.append(c.seq.token_ids[p])
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            ctx.append(p + 1)
+            tables += table
+            tables += [dummy] * (pages - len(table))
+        temps, keys, random_row = row_inputs(reqs)
+        rows = torch.zeros(6, size, dtype=torch.long)
+        rows[0, : len(ids)] = torch.tensor(ids)
+        rows[1, : len(pos)] = torch.tensor(pos)
+        rows[2] = dummy * bs
+        rows[2, : len(slots)] = torch.tensor(slots)
+        rows[3:5, : len(ids)] = keys.t()
+        rows[5, : len(ids)] = random_row.long()
+        self.i64[:, :size].copy_(rows)
+        self.block_tables[:size].copy_(
+            torch.tensor(tables + [dummy] * (pad * pages), dtype=torch.int32).view(size, pages)
+        )
+        self.ctx_len[:size].copy_(torch.tensor(ctx + [1] * pad, dtype=torch.int32))
+        self.temps[:size].copy_(torch.cat([temps, torch.ones(pad)]))

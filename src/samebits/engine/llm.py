@@ -272,18 +272,23 @@ class LLM:
         show = sys.stderr.isatty() and total > 1 if progress is None else progress
         bar = _Progress(total) if show else None
         try:
-            while self.scheduler.has_unfinished():
-                batch = self.scheduler.schedule()
-                reqs = [self._sample_request(c.seq) for c in batch.chunks if c.samples]
-                sampled = self.runner.run(batch, reqs)
-                seqs = [c.seq for c in batch.chunks if c.samples]
-                by_id = {s.seq_id: out for s, out in zip(seqs, sampled, strict=True)}
-                finished = self.scheduler.postprocess(batch, by_id)
-                if bar:
-                    bar.advance(len(finished), batch.num_tokens)
+            with self.runner.profile.context():  # installed once per call, not once per step
+                self._steps(bar)
         finally:
             if bar:
                 bar.close()
+
+    def _steps(self, bar) -> None:
+        """Schedule -> run -> postprocess until every request is done."""
+        while self.scheduler.has_unfinished():
+            batch = self.scheduler.schedule()
+            reqs = [self._sample_request(c.seq) for c in batch.chunks if c.samples]
+            sampled = self.runner.run(batch, reqs)
+            seqs = [c.seq for c in batch.chunks if c.samples]
+            by_id = {s.seq_id: out for s, out in zip(seqs, sampled, strict=True)}
+            finished = self.scheduler.postprocess(batch, by_id)
+            if bar:
+                bar.advance(len(finished), batch.num_tokens)
 
     def _sample_request(self, seq: Seq) -> SampleRequest:
         sp = seq.params

@@ -128,12 +128,11 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, reqs: list[SampleRequest]) -> list[tuple[int, float]]:
         """One forward; (token, log-prob) for each sampling chunk, in chunk order."""
+        size = self.graphs.size_for(batch) if self.graphs is not None else None
         with self.profile.context():
-            size = self.graphs.size_for(batch) if self.graphs is not None else None
             if size is not None:
-                return sample(self.graphs.run(batch, size), reqs)
-        input_ids, meta, sample_rows = self.prepare(batch)
-        with self.profile.context():
+                return self.graphs.run(batch, size, reqs)
+            input_ids, meta, sample_rows = self.prepare(batch)
             hidden = self.model(input_ids, meta, self.kv_caches)  # [T, H]
             if not sample_rows:
                 return []

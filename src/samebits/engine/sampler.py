@@ -76,11 +76,45 @@ def _narrow(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def needs_host_rules(reqs: list[SampleRequest]) -> bool:
+    """Whether some row bans tokens or narrows by top-k/top-p (per-row work beyond `race`)."""
+    return any(
+        r.banned or (r.params.temperature > 0 and (r.params.top_k != -1 or r.params.top_p < 1.0)) for r in reqs
+    )
+
+
+def row_inputs(reqs: list[SampleRequest]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Host tensors of the rows' temperatures [N] f32, keys [N, 2] i64 and random flags [N]."""
+    temps = torch.tensor([r.params.temperature if r.params.temperature > 0 else 1.0 for r in reqs])
+    keys = torch.tensor([_row_keys(r.seed, r.output_index) for r in reqs], dtype=torch.int64).view(-1, 2)
+    return temps.float(), keys, torch.tensor([r.params.temperature > 0 for r in reqs])
+
+
+def race(
+    lps: torch.Tensor, probs: torch.Tensor, scores: torch.Tensor, keys: torch.Tensor, random_row: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device ops only: the exponential race per row (P(i) = p_i / sum p), the best logit for
+    greedy rows and rows whose allowed probabilities all underflowed -> (tokens [N], log-probs [N])."""
+    raced = torch.argmax(probs / exponential_noise(keys, probs.shape[1]), dim=-1)
+    usable = (probs > 0).any(dim=-1) & random_row
+    tokens = torch.where(usable, raced, torch.argmax(scores, dim=-1))
+    return tokens, lps.gather(1, tokens[:, None])[:, 0]
+
+
+def sample_plain(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, random_row: torch.Tensor):
+    """Rows with no banned tokens and no top-k/top-p: device ops only (CUDA-graph safe)."""
+    lps = reported_logprobs(logits, temps)
+    return race(lps, lps.exp(), logits.float(), keys, random_row)
+
+
 def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> list[tuple[int, float]]:
     """logits [N, V] -> (token, float32 log-prob) per row; one host sync for the batch."""
-    n, vocab = logits.shape
     dev = logits.device
-    lps = reported_logprobs(logits, [r.params.temperature for r in reqs])  # [N, V] float32
+    temps, keys, random_row = (t.to(dev, non_blocking=True) for t in row_inputs(reqs))
+    if not needs_host_rules(reqs):
+        tokens, chosen = sample_plain(logits, temps, keys, random_row)
+        return list(zip(tokens.tolist(), chosen.tolist(), strict=True))
+    lps = reported_logprobs(logits, temps)  # [N, V] float32
     probs = lps.exp()
     scores = logits.float()  # greedy rows and the underflow fallback choose by logit
     for i, req in enumerate(reqs):
@@ -90,10 +124,5 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> list[tuple[int, f
             scores[i, banned] = float("-inf")
         if req.params.temperature > 0 and (req.params.top_k != -1 or req.params.top_p < 1.0):
             probs[i] = _narrow(probs[i], req.params)
-    keys = torch.tensor([_row_keys(r.seed, r.output_index) for r in reqs], dtype=torch.int64).to(dev)
-    raced = torch.argmax(probs / exponential_noise(keys.view(n, 2), vocab), dim=-1)  # P(i) = p_i / sum p
-    random_row = torch.tensor([r.params.temperature > 0 for r in reqs], device=dev)
-    usable = (probs > 0).any(dim=-1) & random_row  # all allowed probabilities underflowed: take the best logit
-    tokens = torch.where(usable, raced, torch.argmax(scores, dim=-1))
-    chosen = lps.gather(1, tokens[:, None])[:, 0]
+    tokens, chosen = race(lps, probs, scores, keys, random_row)
     return list(zip(tokens.tolist(), chosen.tolist(), strict=True))

@@ -167,12 +167,15 @@ def _(hidden_states, visual_pos_mask, visual_embeds):
     return torch.empty_like(hidden_states)
 
 
-def reported_logprobs(logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
+def reported_logprobs(logits: torch.Tensor, temperatures: list[float] | torch.Tensor) -> torch.Tensor:
     """logits [N, V] -> float32 log-probs [N, V], each row at its temperature (0 -> 1).
 
     The one place this is computed, for the engine and the trainer alike: division by
     a float32 tensor (on CUDA, division by a Python scalar is a multiply by its reciprocal,
-    which rounds differently).
+    which rounds differently). `temperatures` may already be that float32 tensor [N].
     """
-    temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=torch.float32)
+    if isinstance(temperatures, torch.Tensor):
+        temps = temperatures.float()
+    else:
+        temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=torch.float32)
     return torch.log_softmax(logits.float() / temps.to(logits.device)[:, None], dim=-1)

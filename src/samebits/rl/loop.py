@@ -227,7 +227,7 @@ class RLLoop:
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore a `save_checkpoint` file, push every trainer tensor to the engine, check digests."""
-        state = torch.load(path, map_location=self.config.device, weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=False)  # RNG states must stay on CPU
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = int(state["step"])
