@@ -147,7 +147,7 @@ def test_cuda_graph_decode_equals_eager(tmp_path):
     from samebits.verify import make_prompts
 
     path = build_tiny_checkpoint(tmp_path / "t", seed=2)
-    prompts = make_prompts((5, 9, 17, 3, 11), 512, seed=1)
+    prompts = make_prompts((5, 9, 17, 3, 11), 384, seed=1)  # the tiny vocabulary
     params = [SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True, seed=4)] * 3 + [
         SamplingParams(temperature=0.8, top_p=0.9, max_tokens=48, min_tokens=40, seed=5),  # host rules
         SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
@@ -159,3 +159,38 @@ def test_cuda_graph_decode_equals_eager(tmp_path):
         assert (llm.runner.graphs is not None) == graphs and (not graphs or llm.runner.graphs.graphs)
     for a, b in zip(runs[True], runs[False], strict=True):
         assert a.token_ids == b.token_ids and torch.equal(a.logprobs, b.logprobs)
+
+
+@pytest.mark.parametrize("h", [2048, 128, 96])
+def test_fused_norm_and_rotary_give_transformers_bits(h):
+    """The fused kernels behind the HF-order ops on CUDA equal the transformers modules
+    under batch_invariant(); stock reductions (no batch_invariant) do not."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
+
+    from samebits import batch_invariant
+    from samebits.numerics import ops
+
+    norm = hf.Qwen3MoeRMSNorm(h, eps=1e-6).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_(1, 0.1, generator=_g(20))
+    x = torch.randn(4096, h, device="cuda", generator=_g(21)).bfloat16()
+    res = torch.randn(4096, h, device="cuda", generator=_g(22)).bfloat16()
+    with batch_invariant():
+        assert torch.equal(ops.rms_norm(x, norm.weight, 1e-6), norm(x))
+        summed, normed = ops.add_rms_norm(x, res, norm.weight, 1e-6)
+        assert torch.equal(summed, res + x) and torch.equal(normed, norm(res + x))
+        fused = ops.rms_norm(x * 3, norm.weight, 1e-6)
+    if h == 2048:  # negative control: the stock mean reduces in another order
+        assert not torch.equal(norm(x * 3), fused)
+    cfg = Qwen3MoeConfig(hidden_size=2048, num_attention_heads=32, head_dim=128, rope_theta=1e6)
+    rot = hf.Qwen3MoeRotaryEmbedding(cfg).to("cuda")
+    rot.inv_freq.copy_(ops.rotary_inv_freq(128, 1e6))
+    pos = torch.arange(3000, 3333, device="cuda")
+    q = torch.randn(333, 32, 128, device="cuda", generator=_g(23)).bfloat16()
+    k = torch.randn(333, 4, 128, device="cuda", generator=_g(24)).bfloat16()
+    cos, sin = rot(q, pos[None])
+    with batch_invariant():
+        q2, k2 = ops.apply_rotary(q, k, cos[0], sin[0], 1)
+    want_q, want_k = hf.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    assert torch.equal(q2, want_q[0].transpose(0, 1)) and torch.equal(k2, want_k[0].transpose(0, 1))

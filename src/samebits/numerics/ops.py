@@ -10,7 +10,11 @@ as the transformers module does there.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+from samebits.numerics.batch_invariant import is_active as batch_invariant_active
 
 Tensor = torch.Tensor
 
@@ -28,6 +32,10 @@ def rotary_inv_freq(head_dim: int, rope_theta: float) -> Tensor:
 @torch.library.custom_op("samebits::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Qwen3MoeRMSNorm: fp32 variance and rsqrt, cast, then `weight *` in the weight's dtype."""
+    return _rms_norm_composite(x, weight, eps)
+
+
+def _rms_norm_composite(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     input_dtype = x.dtype
     h = x.to(torch.float32)
     variance = h.pow(2).mean(-1, keepdim=True)
@@ -44,7 +52,7 @@ def _(x, weight, eps):
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """`h = residual + x` rounded in the activation dtype, then `rms_norm(h)`; returns (h, norm)."""
     h = residual + x
-    return h, rms_norm(h, weight, eps)
+    return h, _rms_norm_composite(h, weight, eps)
 
 
 @add_rms_norm.register_fake
@@ -119,6 +127,10 @@ def apply_rotary(
     q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1
 ) -> tuple[Tensor, Tensor]:
     """apply_rotary_pos_emb: `q*cos + rotate_half(q)*sin`, each op rounding on its own."""
+    return _apply_rotary_composite(q, k, cos, sin, unsqueeze_dim)
+
+
+def _apply_rotary_composite(q, k, cos, sin, unsqueeze_dim):
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
     q_embed = (q * cos) + (_rotate_half(q) * sin)
@@ -179,3 +191,61 @@ def reported_logprobs(logits: torch.Tensor, temperatures: list[float] | torch.Te
     else:
         temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=torch.float32)
     return torch.log_softmax(logits.float() / temps.to(logits.device)[:, None], dim=-1)
+
+
+# -- CUDA: the fused kernels, in transformers' bits under batch_invariant() -----------------------
+#
+# Under `batch_invariant()` the composite ops above reduce with the fixed pairwise tree; the
+# Triton kernels in `kernels/norm_rope_triton.py` compute exactly that in one launch (tested
+# bitwise against the transformers modules). Outside it the composite runs (stock reductions,
+# transformers' bits there), unless `fused_anyway()` is open: the fast profile's choice.
+
+_fused_anyway = 0
+
+
+@contextlib.contextmanager
+def fused_anyway():
+    """Use the fused CUDA kernels even outside `batch_invariant()` (the fast profile)."""
+    global _fused_anyway
+    _fused_anyway += 1
+    try:
+        yield
+    finally:
+        _fused_anyway -= 1
+
+
+def _fused(x: Tensor) -> bool:
+    if not x.is_cuda or not (_fused_anyway or batch_invariant_active()):
+        return False
+    from samebits.numerics.batch_invariant import triton_available
+
+    return triton_available()
+
+
+@rms_norm.register_kernel("cuda")
+def _(x, weight, eps):
+    if not _fused(x):
+        return _rms_norm_composite(x, weight, eps)
+    from samebits.kernels.norm_rope_triton import rms_norm as fused
+
+    return fused(x, weight, eps)
+
+
+@add_rms_norm.register_kernel("cuda")
+def _(x, residual, weight, eps):
+    if not _fused(x) or residual.dtype != x.dtype:
+        h = residual + x
+        return h, _rms_norm_composite(h, weight, eps)
+    from samebits.kernels.norm_rope_triton import rms_norm as fused
+
+    return fused(x, weight, eps, residual=residual)
+
+
+@apply_rotary.register_kernel("cuda")
+def _(q, k, cos, sin, unsqueeze_dim=1):
+    from samebits.kernels.norm_rope_triton import apply_rotary as fused
+    from samebits.kernels.norm_rope_triton import rotary_supported
+
+    if not _fused(q) or not rotary_supported(q, k, cos, unsqueeze_dim):
+        return _apply_rotary_composite(q, k, cos, sin, unsqueeze_dim)
+    return fused(q, k, cos, sin)

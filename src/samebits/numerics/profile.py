@@ -5,7 +5,8 @@
   the trainer's transformers model recomputes (with samebits' experts and
   attention registered).
 - `FAST`: the same model with the stock fastest kernels regardless of HF bits:
-  cuBLAS GEMMs, `torch._grouped_mm` experts, no fixed-order reductions. Its
+  cuBLAS GEMMs, `torch._grouped_mm` experts, no fixed-order reductions
+  (the fused norm and rotary kernels are used in both profiles). Its
   log-probs depend on the batch. It is the baseline that prices exactness, and a
   mode for evaluation rollouts where nobody trains on the log-probs.
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 from samebits.kernels.experts import experts, experts_stock
 from samebits.numerics.batch_invariant import batch_invariant
+from samebits.numerics.ops import fused_anyway
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class Profile:
     experts: Callable  # (hidden [T, H], index, weights [T, K], gate_up, down) -> [T, H]
 
     def context(self) -> contextlib.AbstractContextManager:
-        return batch_invariant() if self.batch_invariant else contextlib.nullcontext()
+        return batch_invariant() if self.batch_invariant else fused_anyway()
 
 
 EXACT = Profile("exact", batch_invariant=True, experts=experts)

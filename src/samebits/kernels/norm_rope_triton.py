@@ -1,0 +1,193 @@
+"""Fused HF-order RMSNorm (+ residual add) and rotary for CUDA, in transformers' bits.
+
+Each kernel does in one launch what `numerics.ops` does in 7-12 aten kernels,
+with the same roundings in the same order, so the bits are those of the
+transformers module under `batch_invariant()`:
+- RMSNorm: x in fp32, x*x, the pairwise halving tree of `tree_sum_ref` (padded
+  to a power of two; the pads are +0.0 here, which leaves a sum of squares
+  unchanged), times the fp32 reciprocal of H (CUDA divides by a scalar that
+  way), + eps, rsqrt, x * r, rounded to the activation dtype, times the weight
+  rounded again. With a residual, `residual + x` is rounded first.
+- Rotary: `q*cos` and `rotate_half(q)*sin` each rounded, then their sum rounded.
+The custom ops use these kernels on CUDA inside `batch_invariant()` only; the
+GPU tests compare them bitwise with the transformers modules.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _halve(s, WIDTH: tl.constexpr):
+    """[WIDTH] -> [WIDTH // 2]: element j is s[j] + s[j + WIDTH // 2] (one exact add each)."""
+    return tl.sum(tl.reshape(s, (2, WIDTH // 2)), axis=0)
+
+
+@triton.jit
+def _tree_sum(s, BLOCK: tl.constexpr):
+    if BLOCK >= 2:
+        s = _halve(s, BLOCK)
+    if BLOCK >= 4:
+        s = _halve(s, BLOCK // 2)
+    if BLOCK >= 8:
+        s = _halve(s, BLOCK // 4)
+    if BLOCK >= 16:
+        s = _halve(s, BLOCK // 8)
+    if BLOCK >= 32:
+        s = _halve(s, BLOCK // 16)
+    if BLOCK >= 64:
+        s = _halve(s, BLOCK // 32)
+    if BLOCK >= 128:
+        s = _halve(s, BLOCK // 64)
+    if BLOCK >= 256:
+        s = _halve(s, BLOCK // 128)
+    if BLOCK >= 512:
+        s = _halve(s, BLOCK // 256)
+    if BLOCK >= 1024:
+        s = _halve(s, BLOCK // 512)
+    if BLOCK >= 2048:
+        s = _halve(s, BLOCK // 1024)
+    if BLOCK >= 4096:
+        s = _halve(s, BLOCK // 2048)
+    if BLOCK >= 8192:
+        s = _halve(s, BLOCK // 4096)
+    return tl.sum(s, axis=0)  # one element left
+
+
+@triton.jit
+def rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    n,
+    inv_n,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_s,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (r.to(tl.float32) + x.to(tl.float32)).to(x_ptr.dtype.element_ty)  # residual + x, rounded
+        tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    variance = _tree_sum(h * h, BLOCK) * inv_n
+    h = h * tl.math.rsqrt(variance + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = (w.to(tl.float32) * h.to(x_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """x [..., H] (and residual) -> norm, or (residual + x, norm) when residual is given."""
+    h = x.shape[-1]
+    x2 = x.reshape(-1, h)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    summed = torch.empty_like(x2) if residual is not None else out
+    r2 = residual.reshape(-1, h).contiguous() if residual is not None else x2
+    block = triton.next_power_of_2(h)
+    if x2.shape[0]:
+        rms_norm_kernel[(x2.shape[0],)](
+            x2,
+            r2,
+            weight,
+            out,
+            summed,
+            h,
+            float(np.float32(1.0) / np.float32(h)),
+            eps,
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            summed.stride(0),
+            HAS_RES=residual is not None,
+            BLOCK=block,
+            num_warps=4 if block >= 1024 else 1,
+        )
+    out = out.view(x.shape)
+    return out if residual is None else (summed.view(x.shape), out)
+
+
+@triton.jit
+def rotary_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    heads,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
+    stride_c,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    hh = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, 2 * HALF)[None, :]
+    mask = hh < heads
+    base = x_ptr + t * stride_xt + hh * stride_xh
+    x = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(base + (d + HALF) % (2 * HALF), mask=mask, other=0.0).to(tl.float32)
+    rot = tl.where(d < HALF, -partner, partner)  # rotate_half: cat(-x2, x1)
+    cos = tl.load(cos_ptr + t * stride_c + d).to(tl.float32)
+    sin = tl.load(sin_ptr + t * stride_c + d).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    y = ((x * cos).to(dt).to(tl.float32) + (rot * sin).to(dt).to(tl.float32)).to(dt)
+    tl.store(out_ptr + t * stride_ot + hh * stride_oh + d, y, mask=mask)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q [T, H, D], k [T, KVH, D], cos/sin [T, D] (D even, a power of two) -> (q_embed, k_embed)."""
+    outs = []
+    cos, sin = cos.contiguous(), sin.contiguous()
+    for x in (q, k):
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        if x.shape[0]:
+            rotary_kernel[(x.shape[0],)](
+                x,
+                cos,
+                sin,
+                out,
+                x.shape[1],
+                x.stride(0),
+                x.stride(1),
+                out.stride(0),
+                out.stride(1),
+                cos.stride(0),
+                HALF=x.shape[2] // 2,
+                BLOCK_H=triton.next_power_of_2(x.shape[1]),
+                num_warps=4,
+            )
+        outs.append(out)
+    return outs[0], outs[1]
+
+
+def rotary_supported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, unsqueeze_dim: int) -> bool:
+    d = q.shape[-1]
+    return (
+        q.dim() == 3
+        and k.dim() == 3
+        and cos.dim() == 2
+        and unsqueeze_dim == 1
+        and d >= 2
+        and d & (d - 1) == 0
+        and q.dtype == k.dtype == cos.dtype
+    )
