@@ -292,3 +292,27 @@ def test_freeze_that_matches_nothing_or_everything_is_refused(tiny):
         RLLoop(_cfg(tiny, freeze=("nonexistent",)))
     with pytest.raises(ValueError, match="freezes every parameter"):
         RLLoop(_cfg(tiny, freeze=("model", "lm_head")))
+
+
+@pytest.mark.parametrize("shape", ["tied_top1", "bias_per_expert"])
+def test_other_shapes_are_bitwise_and_their_control_mismatches(checkpoints, shape):
+    # tied embeddings (lm_head.weight digested through its tie), attention bias, per-expert layout
+    row = RLLoop(rl.RLConfig(model=str(checkpoints[shape]), steps=1)).step()
+    assert all(row[k] == 0 for k in BITWISE) and row["digests_checked"] > 0
+    neg = RLLoop(rl.RLConfig(model=str(checkpoints[shape]), trainer_experts="grouped_mm")).step()
+    assert neg["rollout_logprobs_mismatch_count"] > 0
+
+
+def test_engine_sleeps_while_the_trainer_steps(tiny, monkeypatch):
+    loop = RLLoop(_cfg(tiny))
+    seen = []
+    update = loop._update
+
+    def spy(*args):
+        seen.append((loop.llm.asleep, list(loop.llm.runner.kv_caches)))
+        return update(*args)
+
+    monkeypatch.setattr(loop, "_update", spy)
+    loop.step()
+    assert seen == [(True, [])]
+    assert not loop.llm.asleep and loop.llm.runner.kv_caches
