@@ -157,6 +157,13 @@ def test_failing_reward_stops_the_step_and_leaves_no_half_applied_state(
     assert all(loop.step()[k] == 0 for k in BITWISE)
 
 
+def test_builtin_rewards_by_hand():
+    assert rl.toy_reward([[1]] * 3, [[8, 3, 16, 5], [1], []]) == [0.5, 0.0, 0.0]
+    h = rl.hash_reward([[1, 2], [1, 2]], [[3], [4]])
+    assert h == rl.hash_reward([[1, 2], [1, 2]], [[3], [4]]) and h[0] != h[1]
+    assert all(0 <= v < 1 for v in h)
+
+
 def test_reward_spec_errors_name_the_missing_piece():
     with pytest.raises(ValueError, match="cannot import module 'no_such_mod'"):
         rl.load_reward("no_such_mod:f")

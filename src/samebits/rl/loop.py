@@ -71,7 +71,7 @@ class RLLoop:
         """One RL step; returns its metrics (see docs/rl.md for each field)."""
         cfg, m, t = self.config, {"step": self.step_count}, {}
         clock = time.perf_counter()
-        prompts, outs = self._rollout()
+        outs = self._rollout()
         t["rollout"] = _lap(clock)
         responses = [o.token_ids for o in outs]
         rewards = compute_rewards(cfg.reward, self.reward_fn, [o.prompt_token_ids for o in outs], responses)
@@ -128,7 +128,7 @@ class RLLoop:
             for i in range(cfg.num_sequences)
         ]
         grouped = [p for p in prompts for _ in range(cfg.n)]  # n consecutive responses per prompt
-        return prompts, self.llm.generate(grouped, params, progress=False)
+        return self.llm.generate(grouped, params, progress=False)
 
     def _recompute(self, seqs, plens) -> list[torch.Tensor]:
         """Old log-probs: no grad, under batch_invariant(), packed micro-batches."""
