@@ -164,6 +164,17 @@ def test_builtin_rewards_by_hand():
     assert all(0 <= v < 1 for v in h)
 
 
+def test_cli_reports_bad_options_and_a_failing_reward_without_a_traceback(tiny, tmp_path, monkeypatch, capsys):
+    base = ["rl", "--model", str(tiny), "--out", str(tmp_path / "o"), "--no-live", "--steps", "1"]
+    assert main(base + ["--n", "1"]) == 2
+    assert "n must be an int >= 2, got 1" in capsys.readouterr().err
+    assert main(base + ["--freeze", "nothing_like_this"]) == 2
+    assert "'nothing_like_this' matches no parameter" in capsys.readouterr().err
+    spec = _reward_module(tmp_path, monkeypatch, "def reward(p, r):\n    raise KeyError('x')\n")
+    assert main(base + ["--reward", spec]) == 1
+    assert "reward 'my_rewards:reward' raised KeyError" in capsys.readouterr().err
+
+
 def test_reward_spec_errors_name_the_missing_piece():
     with pytest.raises(ValueError, match="cannot import module 'no_such_mod'"):
         rl.load_reward("no_such_mod:f")

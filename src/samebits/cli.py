@@ -30,7 +30,35 @@ def _rl(args) -> int:
     from samebits import rl
     from samebits.rl import report
 
-    cfg = rl.RLConfig(
+    try:
+        cfg = _rl_config(args)
+    except ValueError as e:  # the config names the field and the allowed values
+        print(f"samebits rl: {e}", file=sys.stderr)
+        return 2
+    try:
+        rows = rl.run(cfg, live=not args.no_live, resume=args.resume, checkpoint_every=args.checkpoint_every)
+    except rl.RewardError as e:  # the step stopped before any update: nothing half-applied
+        print(f"samebits rl: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:  # refused setup: a freeze or digest name that matches nothing, ...
+        print(f"samebits rl: {e}", file=sys.stderr)
+        return 2
+    report.print_table(rows, "samebits rl: per-step metrics (mismatches: torch.equal per token)")
+    rewards = ", ".join(f"{r['reward_mean']:.3f}" for r in rows)
+    print(f"reward mean per step: {rewards}")
+    print(f"metrics: {cfg.out_dir}/metrics.jsonl, plot: {cfg.out_dir}/metrics.png")
+    if rl.passed(rows):
+        print("PASS: 0 rollout and 0 old-log-prob mismatches, engine and trainer digests equal, every step")
+        return 0
+    bad = [r["step"] for r in rows if not rl.passed([r])]
+    print(f"FAIL: mismatching log-probs or weight digests at steps {bad}")
+    return 1
+
+
+def _rl_config(args):
+    from samebits import rl
+
+    return rl.RLConfig(
         model=args.model,
         device=args.device,
         dtype=args.dtype,
@@ -55,17 +83,6 @@ def _rl(args) -> int:
         digest_tensors=None if args.digest == "all" else tuple(args.digest.split(",")),
         out_dir=args.out,
     )
-    rows = rl.run(cfg, live=not args.no_live, resume=args.resume, checkpoint_every=args.checkpoint_every)
-    report.print_table(rows, "samebits rl: per-step metrics (mismatches: torch.equal per token)")
-    rewards = ", ".join(f"{r['reward_mean']:.3f}" for r in rows)
-    print(f"reward mean per step: {rewards}")
-    print(f"metrics: {cfg.out_dir}/metrics.jsonl, plot: {cfg.out_dir}/metrics.png")
-    if rl.passed(rows):
-        print("PASS: 0 rollout and 0 old-log-prob mismatches, engine and trainer digests equal, every step")
-        return 0
-    bad = [r["step"] for r in rows if not rl.passed([r])]
-    print(f"FAIL: mismatching log-probs or weight digests at steps {bad}")
-    return 1
 
 
 def _add_rl(sub) -> None:
@@ -109,7 +126,8 @@ def _add_rl(sub) -> None:
         "--trainer-experts",
         default="samebits",
         choices=["samebits", "grouped_mm", "eager"],
-        help="trainer experts implementation; grouped_mm is the negative control (must mismatch)",
+        help="trainer experts implementation; grouped_mm is the negative control (bf16: the rollout "
+        "count must be nonzero)",
     )
     r.add_argument(
         "--update-kernels",
@@ -118,7 +136,11 @@ def _add_rl(sub) -> None:
         help="kernels of the update forward; stock is the negative control of the old-log-prob check",
     )
     r.add_argument("--digest", default="all", help="'all' or comma-separated parameter names to digest")
-    r.add_argument("--out", default="runs/rl", help="output dir: metrics.jsonl, metrics.png, checkpoint.pt")
+    r.add_argument(
+        "--out",
+        default="runs/rl",
+        help="output dir for metrics.jsonl, metrics.png, checkpoint.pt (default runs/rl)",
+    )
     r.add_argument("--resume", default=None, metavar="CKPT", help="resume from a checkpoint.pt")
     r.add_argument(
         "--checkpoint-every", type=int, default=0, help="checkpoint every K steps too (0: at the end only)"
