@@ -28,11 +28,20 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", default="/dev/shm/samebits-probe")
     p.add_argument("--out", default=None)
+    p.add_argument("--reuse", action="store_true", help="use the checkpoint already in --dir")
+    p.add_argument(
+        "--composite-norms", action="store_true", help="experiment: the exact profile's norms unfused"
+    )
     args = p.parse_args()
     from samebits import verify
 
     t0 = time.time()
-    path = write_random_checkpoint(Path(args.dir), args.layers, args.seed)
+    if args.composite_norms:
+        from samebits.numerics import ops
+
+        ops.FUSED_EXACT["rms_norm"] = False
+    reuse = args.reuse and (Path(args.dir) / "config.json").is_file()
+    path = Path(args.dir) if reuse else write_random_checkpoint(Path(args.dir), args.layers, args.seed)
     print(f"checkpoint: {args.layers} layers at {path} in {time.time() - t0:.0f} s", flush=True)
     t0 = time.time()
     results = verify.run(model=path, device="cuda", tokens=args.tokens, seed=args.seed)
