@@ -50,6 +50,7 @@ def main() -> None:
     print("PASS" if verify.passed(results) else "FAIL")
     if args.out:
         verify.write_json(results, args.out)
+    raise SystemExit(0 if verify.passed(results) else 1)
 
 
 if __name__ == "__main__":
