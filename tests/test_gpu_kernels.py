@@ -161,7 +161,7 @@ def test_cuda_graph_decode_equals_eager(tmp_path):
         assert a.token_ids == b.token_ids and torch.equal(a.logprobs, b.logprobs)
 
 
-@pytest.mark.parametrize("h", [2048, 128, 96])
+@pytest.mark.parametrize("h", [2048, 128, 96, 24])
 def test_fused_norm_and_rotary_give_transformers_bits(h):
     """The fused kernels behind the HF-order ops on CUDA equal the transformers modules
     under batch_invariant(); stock reductions (no batch_invariant) do not."""
