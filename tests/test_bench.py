@@ -1,0 +1,36 @@
+"""`samebits bench`: the memory floor it reports, and a clear refusal without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from samebits import bench
+from samebits.model.config import ModelConfig
+
+
+def _cfg(**kw):
+    d = dict(bench.QWEN3_30B_A3B, num_hidden_layers=48, architectures=["Qwen3MoeForCausalLM"]) | kw
+    return ModelConfig.from_dict(d)
+
+
+def test_step_bytes_by_hand_at_batch_one():
+    cfg = _cfg()
+    attn = 2048 * 128 * (2 * 32 + 2 * 4)  # q, o and k, v projections
+    experts = 8 * 3 * 2048 * 768  # top-8 of 128: 1 - (1 - 8/128)**1 of 128 experts = 8
+    router = 128 * 2048
+    kv = 1024 * 2 * 4 * 128
+    want = 2 * (48 * (attn + experts + router + kv) + 151936 * 2048 + 2048)
+    assert bench.step_bytes(cfg, 1, 1024) == pytest.approx(want, rel=1e-12)
+
+
+def test_step_bytes_saturate_at_all_experts():
+    cfg = _cfg()
+    grown = bench.step_bytes(cfg, 4096, 0) - bench.step_bytes(cfg, 2048, 0)
+    assert grown == pytest.approx(2 * 2048 * 2048, rel=1e-3)  # only the hidden rows grow
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_bench_refuses_without_cuda(tmp_path):
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        bench.run(tmp_path, arms=("exact",))
