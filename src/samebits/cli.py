@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -35,6 +36,8 @@ def _rl(args) -> int:
     except ValueError as e:  # the config names the field and the allowed values
         print(f"samebits rl: {e}", file=sys.stderr)
         return 2
+    if args.distributed:
+        return _rl_distributed(cfg, args)
     try:
         rows = rl.run(cfg, live=not args.no_live, resume=args.resume, checkpoint_every=args.checkpoint_every)
     except rl.RewardError as e:  # the step stopped before any update: nothing half-applied
@@ -53,6 +56,31 @@ def _rl(args) -> int:
     bad = [r["step"] for r in rows if not rl.passed([r])]
     print(f"FAIL: mismatching log-probs or weight digests at steps {bad}")
     return 1
+
+
+def _rl_distributed(cfg, args) -> int:
+    """`samebits rl --distributed` under torchrun: every rank runs this; rank 0 prints."""
+    from samebits.rl import distributed, report
+
+    if args.resume or args.checkpoint_every:
+        print(
+            "samebits rl: --resume / --checkpoint-every are not supported with --distributed", file=sys.stderr
+        )
+        return 2
+    try:
+        rows = distributed.run(cfg)
+    except ValueError as e:  # the same refused setup on every rank
+        print(f"samebits rl: {e}", file=sys.stderr)
+        return 2
+    ok = distributed.passed(rows)
+    if int(os.environ.get("RANK", "0")) == 0:
+        title = f"samebits rl --distributed: {rows[0]['world_size']} ranks, totals over ranks"
+        report.print_table(rows, title)
+        print(f"metrics: {cfg.out_dir}/metrics.jsonl (per-rank counters and digests: rank_* fields)")
+        print(
+            "PASS: 0/0 mismatches on every rank, every replica's digests equal the trainer's" if ok else "FAIL"
+        )
+    return 0 if ok else 1
 
 
 def _rl_config(args):
@@ -146,6 +174,11 @@ def _add_rl(sub) -> None:
         "--checkpoint-every", type=int, default=0, help="checkpoint every K steps too (0: at the end only)"
     )
     r.add_argument("--no-live", action="store_true", help="no live table on stderr")
+    r.add_argument(
+        "--distributed",
+        action="store_true",
+        help="one rank per torchrun process: FSDP2 trainer, one rollout replica per rank (docs/distributed.md)",
+    )
     r.set_defaults(fn=_rl)
 
 
