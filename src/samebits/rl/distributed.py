@@ -22,7 +22,6 @@ full copy of the model. Counters are per rank and summed (see `combine`).
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from contextlib import nullcontext
 from dataclasses import replace
@@ -33,6 +32,7 @@ import torch.distributed as dist
 from samebits.engine.llm import LLM, tensor_digest
 from samebits.engine.sampling_params import SamplingParams
 from samebits.numerics.batch_invariant import batch_invariant
+from samebits.rl import fsdp
 from samebits.rl.batching import pack_micro_batches, split_mini_batches
 from samebits.rl.config import RLConfig
 from samebits.rl.loop import DTYPES, _compare, _freeze, _lap, _mean, _model_path, make_prompts
@@ -48,38 +48,11 @@ PER_RANK = (  # summed over ranks into the metric of the same name; also kept pe
 )
 
 
-def init_process_group(device: str) -> tuple[int, int, str]:
-    """Join the torchrun job (env:// rendezvous) -> (rank, world size, this rank's device)."""
-    cuda = torch.device(device).type == "cuda"
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    if cuda:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        device = f"cuda:{local}"
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def shard_trainer(model, param_dtype: torch.dtype | None, device_type: str):
-    """FSDP2: `fully_shard` each decoder layer, then the root (embeddings, final norm, lm_head)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    return model
-
-
 class DistributedRLLoop:
     """This rank's replica + trainer shard + optimizer; `step()` is collective -> combined metrics."""
 
     def __init__(self, config: RLConfig):
-        from samebits import trainer
-
-        self.rank, self.world, device = init_process_group(config.device)
+        self.rank, self.world, device = fsdp.init_process_group(config.device)
         if config.num_prompts % self.world:
             raise ValueError(f"num_prompts ({config.num_prompts}) must be a multiple of the {self.world} ranks")
         self.local_prompts = config.num_prompts // self.world
@@ -99,11 +72,8 @@ class DistributedRLLoop:
             max_num_seqs=self.local_seqs,
             max_model_len=config.max_model_len,
         )
-        model = trainer.load_hf_model(
-            self.path, device=device, dtype=torch.float32, experts_implementation=config.trainer_experts
-        )
         param_dtype = None if self.dtype == torch.float32 else self.dtype
-        self.model = shard_trainer(model, param_dtype, torch.device(device).type)
+        self.model = fsdp.load_sharded_trainer(self.path, device, param_dtype, config.trainer_experts)
         self.trainable = _freeze(self.model, config.freeze_patterns())
         self.optimizer = torch.optim.AdamW(
             [p for _, p in self.trainable], lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
@@ -186,9 +156,8 @@ class DistributedRLLoop:
         """Packed micro-batches, padded with [] to the largest count over ranks: every FSDP
         forward/backward is collective, so every rank must run the same number of them."""
         micro = pack_micro_batches(indices, lengths, self.config.micro_batch_tokens)
-        count = torch.tensor([len(micro)], device=_collective_device(self.config.device))
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        return micro + [[] for _ in range(int(count) - len(micro))]
+        count = fsdp.all_reduce_max(len(micro), self.config.device)
+        return micro + [[] for _ in range(count - len(micro))]
 
     def _forward(self, micro, seqs, plens, with_grad: bool) -> list[torch.Tensor]:
         """token_logprobs of a micro-batch; an empty (padding) one runs a 2-token dummy instead."""
@@ -234,7 +203,7 @@ class DistributedRLLoop:
                 (seq_loss.sum() / len(mini)).backward()  # local mean; ranks' shares are equal
                 losses += seq_loss.detach().tolist()
                 clips += clip.tolist()
-            norms.append(_to_float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
+            norms.append(fsdp.to_float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
@@ -265,7 +234,7 @@ class DistributedRLLoop:
             if name not in chosen and name not in digested:
                 continue
             clock = time.perf_counter()
-            full = _full_tensor(p.detach(), self.dtype)  # the only full tensor held at a time
+            full = fsdp.full_tensor(p.detach(), self.dtype)  # the only full tensor held at a time
             if name in chosen:
                 self.llm.update_weights([(name, full)])
             t_sync += time.perf_counter() - clock
@@ -323,23 +292,9 @@ def passed(rows: list[dict]) -> bool:
     return bool(rows) and all(r[k] == 0 for r in rows for k in keys) and all(r["digests_agree"] for r in rows)
 
 
-def _full_tensor(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The whole parameter in `dtype`: cast the shard (elementwise: same bits) then all-gather."""
-    p = p.to(dtype)
-    return p.full_tensor() if hasattr(p, "full_tensor") else p
-
-
 def _digest_of(digests: dict[str, str], names: list[str]) -> str:
     """One sha256 over the per-name digests, in name order (independent of parameter order)."""
     return hashlib.sha256("".join(f"{n}:{digests[n]};" for n in sorted(names)).encode()).hexdigest()
-
-
-def _to_float(x) -> float:
-    return float(x.full_tensor() if hasattr(x, "full_tensor") else x)
-
-
-def _collective_device(device: str) -> str:
-    return device if torch.device(device).type == "cuda" else "cpu"
 
 
 def run(config: RLConfig, log=print) -> list[dict]:
