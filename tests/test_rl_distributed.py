@@ -54,7 +54,8 @@ def _initial_digest(tiny) -> str:
 
 
 def test_two_ranks_three_steps_bitwise_on_every_rank_and_every_replica_holds_the_trainer_bits(tmp_path, tiny):
-    rc, rows = _cli(tmp_path, tiny, "ok", "--steps", "3")
+    # 48-token micro-batches: the ranks pack different counts, so the padding path runs too
+    rc, rows = _cli(tmp_path, tiny, "ok", "--steps", "3", "--micro-batch-tokens", "48")
     assert rc == 0
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
@@ -66,6 +67,7 @@ def test_two_ranks_three_steps_bitwise_on_every_rank_and_every_replica_holds_the
         assert r["digests_checked"] == 36  # every tiny parameter
         digests = r["rank_replica_digest"] + r["rank_trainer_digest"]
         assert r["digests_agree"] and len(set(digests)) == 1, r
+    assert sum(sum(r["rank_padding_micro_batches"]) for r in rows) > 0
     # the digests can tell weights apart: each sync moved them away from the checkpoint's
     after = [r["rank_replica_digest"][0] for r in rows]
     assert len({_initial_digest(tiny), *after}) == 4
@@ -127,6 +129,7 @@ def _local(mism: int, digest: str = "d") -> dict:
         "old_logprobs_mismatch_count": 0,
         "old_logprobs_tokens": 5,
         "digest_mismatch_count": 0,
+        "padding_micro_batches": 0,
         "diff_max": 0.5 * mism,
         "replica_digest": digest,
         "trainer_digest": "d",

@@ -45,6 +45,7 @@ PER_RANK = (  # summed over ranks into the metric of the same name; also kept pe
     "old_logprobs_mismatch_count",
     "old_logprobs_tokens",
     "digest_mismatch_count",
+    "padding_micro_batches",  # dummy forwards that kept the ranks' FSDP collectives in step
 )
 
 
@@ -79,6 +80,7 @@ class DistributedRLLoop:
             [p for _, p in self.trainable], lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
         self.step_count = 0
+        self.padding_micro_batches = 0  # this step's; see _micro_batches
         all_names = [n for n, _ in self.model.named_parameters(remove_duplicate=False)]
         self.digest_names = list(config.digest_tensors) if config.digest_tensors is not None else all_names
         unknown = sorted(set(self.digest_names) - set(all_names))
@@ -99,6 +101,7 @@ class DistributedRLLoop:
         responses = [o.token_ids for o in outs]
         rewards = compute_rewards(cfg.reward, self.reward_fn, [o.prompt_token_ids for o in outs], responses)
         t["reward"] = _lap(clock, t)
+        self.padding_micro_batches = 0
         self.llm.sleep()
         try:
             seqs = [o.prompt_token_ids + o.token_ids for o in outs]
@@ -121,6 +124,7 @@ class DistributedRLLoop:
             "old_logprobs_tokens": update.pop("old_tokens"),
             "diff_max": max(rollout_cmp[2], update.pop("old_diff_max")),
             "digest_mismatch_count": len(sync["bad"]),
+            "padding_micro_batches": self.padding_micro_batches,
             "replica_digest": sync["replica"],
             "trainer_digest": sync["trainer"],
             "rewards": rewards,
@@ -157,6 +161,7 @@ class DistributedRLLoop:
         forward/backward is collective, so every rank must run the same number of them."""
         micro = pack_micro_batches(indices, lengths, self.config.micro_batch_tokens)
         count = fsdp.all_reduce_max(len(micro), self.config.device)
+        self.padding_micro_batches += count - len(micro)
         return micro + [[] for _ in range(count - len(micro))]
 
     def _forward(self, micro, seqs, plens, with_grad: bool) -> list[torch.Tensor]:
