@@ -328,6 +328,7 @@ def run(config: RLConfig, log=print) -> list[dict]:
                 report.append_jsonl(out / "metrics.jsonl", row)
             if loop.rank == 0:
                 log(_summary(row))
+        dist.barrier()  # no collective in flight when the group is torn down
         return rows
     finally:
         if owned and dist.is_initialized():
