@@ -11,6 +11,7 @@ Each arm gets the fraction of the memory floor: the bytes a step must read
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import time
@@ -131,7 +132,8 @@ replay_ms: dict[tuple[str, int], float] = {}  # (profile, batch) -> CUDA-graph r
 
 
 def engine_step_ms(llm, batch: int, context: int, steps: int = 20) -> float:
-    """Median-free mean time of `steps` decode steps of `batch` sequences at `context` tokens."""
+    """Mean time of `steps` decode steps (after 3 warm-up steps) of `batch` sequences that
+    each hold `context` tokens of KV; also records the graph replay alone in `replay_ms`."""
     g = torch.Generator().manual_seed(batch)
     seqs = []
     for i in range(batch):
@@ -204,8 +206,7 @@ def trainer_step_ms(model, tokens_per_seq: int = 1024, seqs: int = 4, exact: boo
     ]
 
     def once():
-        ctx = batch_invariant() if exact else _null()
-        with ctx:
+        with batch_invariant() if exact else contextlib.nullcontext():
             lps = trainer.token_logprobs(model, data, [1] * seqs, packed=True, with_grad=True)
             loss = -torch.cat(lps).mean()
         loss.backward()
@@ -218,12 +219,6 @@ def trainer_step_ms(model, tokens_per_seq: int = 1024, seqs: int = 4, exact: boo
         once()
     torch.cuda.synchronize()
     return 1000 * (time.perf_counter() - t0) / 3
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def free_memory() -> None:
