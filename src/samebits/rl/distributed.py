@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
@@ -31,12 +30,21 @@ import torch.distributed as dist
 
 from samebits.engine.llm import LLM, tensor_digest
 from samebits.engine.sampling_params import SamplingParams
-from samebits.numerics.batch_invariant import batch_invariant
 from samebits.rl import fsdp
-from samebits.rl.batching import pack_micro_batches, split_mini_batches
+from samebits.rl.batching import pack_micro_batches
 from samebits.rl.config import RLConfig
-from samebits.rl.loop import DTYPES, _compare, _freeze, _lap, _mean, _model_path, make_prompts
-from samebits.rl.losses import LOSSES, group_advantages
+from samebits.rl.loop import (
+    DTYPES,
+    _compare,
+    _freeze,
+    _lap,
+    _mean,
+    _model_path,
+    make_prompts,
+    recompute_old,
+    update_policy,
+)
+from samebits.rl.losses import group_advantages
 from samebits.rl.rewards import compute_rewards, load_reward
 
 PER_RANK = (  # summed over ranks into the metric of the same name; also kept per rank as rank_<name>
@@ -175,51 +183,12 @@ class DistributedRLLoop:
         )
 
     def _recompute(self, seqs, plens) -> list[torch.Tensor]:
-        """Old log-probs of this rank's share: no grad, under batch_invariant(), packed."""
-        self.model.eval()
-        out: list[torch.Tensor | None] = [None] * len(seqs)
-        with batch_invariant():
-            for micro in self._micro_batches(range(len(seqs)), [len(s) for s in seqs]):
-                for i, lp in zip(micro, self._forward(micro, seqs, plens, False), strict=False):
-                    out[i] = lp
-        return out  # type: ignore[return-value]
+        return recompute_old(self, seqs, plens)
 
     def _update(self, seqs, plens, old, adv) -> dict:
-        """`mini_batches` optimizer steps on this rank's share; FSDP averages gradients over ranks."""
-        cfg = self.config
-        loss_fn = LOSSES[cfg.algorithm]
-        lengths = [len(s) for s in seqs]
-        params = [p for _, p in self.trainable]
-        self.model.train()
-        losses, clips, norms = [], [], []
-        old_cmp = [0, 0, 0.0]
-        kernels = batch_invariant if cfg.update_kernels == "batch_invariant" else nullcontext
-        for k, mini in enumerate(split_mini_batches(len(seqs), cfg.mini_batches)):
-            for micro in self._micro_batches(mini, lengths):
-                with kernels():
-                    new = self._forward(micro, seqs, plens, True)
-                if not micro:  # padding: a zero loss, for the collectives of its backward
-                    (0.0 * new[0].sum()).backward()
-                    continue
-                if k == 0:  # before any optimizer step: must equal the recompute bit for bit
-                    mism, total, diff = _compare([lp.detach() for lp in new], [old[i] for i in micro])
-                    old_cmp = [old_cmp[0] + mism, old_cmp[1] + total, max(old_cmp[2], diff)]
-                seq_loss, clip = loss_fn(new, [old[i] for i in micro], adv[micro], cfg.clip_eps)
-                (seq_loss.sum() / len(mini)).backward()  # local mean; ranks' shares are equal
-                losses += seq_loss.detach().tolist()
-                clips += clip.tolist()
-            norms.append(fsdp.to_float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self.model.eval()
-        return {
-            "old_mismatches": old_cmp[0],
-            "old_tokens": old_cmp[1],
-            "old_diff_max": old_cmp[2],
-            "loss": _mean(losses),
-            "clip_frac": _mean(clips),
-            "grad_norm": _mean(norms),
-        }
+        """Each rank steps on its own share; FSDP averages the gradients over ranks (the
+        shares are equal, so the local mean is the global one)."""
+        return update_policy(self, seqs, plens, old, adv)
 
     # -- weights ----------------------------------------------------------------------------
 

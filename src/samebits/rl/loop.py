@@ -131,66 +131,22 @@ class RLLoop:
         return self.llm.generate(grouped, params, progress=False)
 
     def _recompute(self, seqs, plens) -> list[torch.Tensor]:
-        """Old log-probs: no grad, under batch_invariant(), packed micro-batches."""
-        from samebits import trainer
-
-        self.model.eval()
-        out: list[torch.Tensor | None] = [None] * len(seqs)
-        lengths = [len(s) for s in seqs]
-        with batch_invariant():
-            for micro in pack_micro_batches(range(len(seqs)), lengths, self.config.micro_batch_tokens):
-                lps = trainer.token_logprobs(
-                    self.model,
-                    [seqs[i] for i in micro],
-                    [plens[i] for i in micro],
-                    packed=True,
-                    temperature=self.config.temperature,
-                )
-                for i, lp in zip(micro, lps, strict=True):
-                    out[i] = lp
-        return out  # type: ignore[return-value]
+        return recompute_old(self, seqs, plens)
 
     def _update(self, seqs, plens, old, adv) -> dict:
-        """`mini_batches` optimizer steps; the first one's forward is compared with `old`."""
+        return update_policy(self, seqs, plens, old, adv)
+
+    def _micro_batches(self, indices, lengths) -> list[list[int]]:
+        return pack_micro_batches(indices, lengths, self.config.micro_batch_tokens)
+
+    def _forward(self, micro, seqs, plens, with_grad: bool) -> list[torch.Tensor]:
+        """Packed token_logprobs of one micro-batch."""
         from samebits import trainer
 
-        cfg = self.config
-        loss_fn = LOSSES[cfg.algorithm]
-        lengths = [len(s) for s in seqs]
-        params = [p for _, p in self.trainable]
-        self.model.train()
-        losses, clips, norms = [], [], []
-        old_cmp = [0, 0, 0.0]
-        for k, mini in enumerate(split_mini_batches(len(seqs), cfg.mini_batches)):
-            for micro in pack_micro_batches(mini, lengths, cfg.micro_batch_tokens):
-                with batch_invariant() if cfg.update_kernels == "batch_invariant" else nullcontext():
-                    new = trainer.token_logprobs(
-                        self.model,
-                        [seqs[i] for i in micro],
-                        [plens[i] for i in micro],
-                        packed=True,
-                        temperature=cfg.temperature,
-                        with_grad=True,
-                    )
-                if k == 0:  # before any optimizer step: must equal the recompute bit for bit
-                    mism, total, diff = _compare([lp.detach() for lp in new], [old[i] for i in micro])
-                    old_cmp = [old_cmp[0] + mism, old_cmp[1] + total, max(old_cmp[2], diff)]
-                seq_loss, clip = loss_fn(new, [old[i] for i in micro], adv[micro], cfg.clip_eps)
-                (seq_loss.sum() / len(mini)).backward()  # mini-batch loss: mean over its sequences
-                losses += seq_loss.detach().tolist()
-                clips += clip.tolist()
-            norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self.model.eval()
-        return {
-            "old_mismatches": old_cmp[0],
-            "old_tokens": old_cmp[1],
-            "old_diff_max": old_cmp[2],
-            "loss": _mean(losses),
-            "clip_frac": _mean(clips),
-            "grad_norm": _mean(norms),
-        }
+        chosen, lens = [seqs[i] for i in micro], [plens[i] for i in micro]
+        return trainer.token_logprobs(
+            self.model, chosen, lens, packed=True, temperature=self.config.temperature, with_grad=with_grad
+        )
 
     # -- weights ----------------------------------------------------------------------------
 
@@ -303,3 +259,63 @@ def _lap(start: float, laps: dict | None = None) -> float:
 def _mean(xs) -> float:
     xs = list(xs)
     return sum(xs) / len(xs) if xs else 0.0
+
+
+def recompute_old(loop, seqs, plens) -> list[torch.Tensor]:
+    """Old log-probs: no grad, under batch_invariant(), in `loop._micro_batches` packed forwards.
+
+    Shared by `RLLoop` and `DistributedRLLoop`: `loop` gives `model`, `_micro_batches` and
+    `_forward` (an empty micro-batch is the distributed loop's padding: its output is dropped).
+    """
+    loop.model.eval()
+    out: list[torch.Tensor | None] = [None] * len(seqs)
+    with batch_invariant():
+        for micro in loop._micro_batches(range(len(seqs)), [len(s) for s in seqs]):
+            lps = loop._forward(micro, seqs, plens, False)
+            for i, lp in zip(micro, lps[: len(micro)], strict=True):
+                out[i] = lp
+    return out  # type: ignore[return-value]
+
+
+def update_policy(loop, seqs, plens, old, adv) -> dict:
+    """`mini_batches` optimizer steps; the first one's forward is compared with `old` bit for bit.
+
+    An empty micro-batch (distributed padding) backpropagates a zero loss so every rank runs
+    the same collectives. `loop` gives `model`, `config`, `trainable`, `optimizer`,
+    `_micro_batches` and `_forward`.
+    """
+    cfg = loop.config
+    loss_fn = LOSSES[cfg.algorithm]
+    lengths = [len(s) for s in seqs]
+    params = [p for _, p in loop.trainable]
+    loop.model.train()
+    losses, clips, norms = [], [], []
+    old_cmp = [0, 0, 0.0]
+    kernels = batch_invariant if cfg.update_kernels == "batch_invariant" else nullcontext
+    for k, mini in enumerate(split_mini_batches(len(seqs), cfg.mini_batches)):
+        for micro in loop._micro_batches(mini, lengths):
+            with kernels():
+                new = loop._forward(micro, seqs, plens, True)
+            if not micro:
+                (0.0 * new[0].sum()).backward()
+                continue
+            if k == 0:  # before any optimizer step: must equal the recompute bit for bit
+                mism, total, diff = _compare([lp.detach() for lp in new], [old[i] for i in micro])
+                old_cmp = [old_cmp[0] + mism, old_cmp[1] + total, max(old_cmp[2], diff)]
+            seq_loss, clip = loss_fn(new, [old[i] for i in micro], adv[micro], cfg.clip_eps)
+            (seq_loss.sum() / len(mini)).backward()  # mini-batch loss: mean over its sequences
+            losses += seq_loss.detach().tolist()
+            clips += clip.tolist()
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))  # DTensor under FSDP
+        loop.optimizer.step()
+        loop.optimizer.zero_grad(set_to_none=True)
+    loop.model.eval()
+    return {
+        "old_mismatches": old_cmp[0],
+        "old_tokens": old_cmp[1],
+        "old_diff_max": old_cmp[2],
+        "loss": _mean(losses),
+        "clip_frac": _mean(clips),
+        "grad_norm": _mean(norms),
+    }
