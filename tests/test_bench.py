@@ -34,3 +34,19 @@ def test_step_bytes_saturate_at_all_experts():
 def test_bench_refuses_without_cuda(tmp_path):
     with pytest.raises(RuntimeError, match="no CUDA device"):
         bench.run(tmp_path, arms=("exact",))
+
+
+@pytest.mark.parametrize(
+    "argv,field",
+    [
+        (["--arms", "exact,fsat"], "--arms"),
+        (["--batches", "1,x"], "--batches"),
+        (["--hf-batches", "0"], "--hf-batches"),
+    ],
+)
+def test_bench_cli_names_the_bad_option_before_any_work(argv, field, tmp_path):
+    from samebits.cli import main
+
+    with pytest.raises(SystemExit, match=field):
+        main(["bench", "--dir", str(tmp_path / "ckpt"), *argv])
+    assert not (tmp_path / "ckpt").exists()  # refused before the checkpoint is written

@@ -159,6 +159,9 @@ def test_cuda_graph_decode_equals_eager(tmp_path):
         assert (llm.runner.graphs is not None) == graphs and (not graphs or llm.runner.graphs.graphs)
     for a, b in zip(runs[True], runs[False], strict=True):
         assert a.token_ids == b.token_ids and torch.equal(a.logprobs, b.logprobs)
+    # negative control: the same comparison sees the fast profile's other numerics
+    fast = LLM(path, device="cuda", max_num_seqs=8, max_model_len=96, numerics="fast").generate(prompts, params)
+    assert any(not torch.equal(a.logprobs, b.logprobs) for a, b in zip(fast, runs[True], strict=True))
 
 
 @pytest.mark.parametrize("h", [2048, 128, 96, 24])

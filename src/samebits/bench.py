@@ -27,6 +27,7 @@ from samebits.engine.sequence import Sequence
 from samebits.model.config import ModelConfig
 from samebits.numerics.profile import PROFILES
 
+ARMS = ("exact", "fast", "hf", "trainer")
 QWEN3_30B_A3B = dict(
     vocab_size=151936,
     hidden_size=2048,
@@ -286,7 +287,7 @@ def run(
     model: str | Path,
     batches=(1, 8, 32, 64, 256),
     context: int = 1024,
-    arms=("exact", "fast", "hf", "trainer"),
+    arms=ARMS,
     hf_batches=None,
     steps: int = 20,
     log=print,

@@ -205,8 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x)
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise SystemExit(f"samebits bench: {flag} must be comma-separated ints >= 1, got {text!r}")
+    return values
 
 
 def _bench(args) -> int:
@@ -214,17 +220,22 @@ def _bench(args) -> int:
 
     from samebits import bench
 
+    arms = tuple(a for a in args.arms.split(",") if a)
+    unknown = sorted(set(arms) - set(bench.ARMS))
+    if unknown or not arms:
+        raise SystemExit(f"samebits bench: --arms takes any of {','.join(bench.ARMS)}, got {args.arms!r}")
+    batches = _ints(args.batches, "--batches")
+    hf_batches = _ints(args.hf_batches, "--hf-batches") if args.hf_batches else None
     model = args.model
     if model is None:
         print(f"writing a random Qwen3-30B-A3B-shaped checkpoint, {args.layers} layers, to {args.dir}")
         model = bench.write_random_checkpoint(Path(args.dir), args.layers, seed=0)
-    arms = tuple(a for a in args.arms.split(",") if a)
     rows, trainer_rows, meta = bench.run(
         model,
-        batches=_ints(args.batches),
+        batches=batches,
         context=args.context,
         arms=arms,
-        hf_batches=_ints(args.hf_batches) if args.hf_batches else None,
+        hf_batches=hf_batches,
         steps=args.steps,
     )
     meta["layers"] = args.layers if args.model is None else None

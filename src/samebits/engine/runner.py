@@ -82,11 +82,12 @@ class ModelRunner:
     def _triton_fields(self, batch: ScheduledBatch) -> dict:
         chunks = batch.chunks
         pages = max(len(c.seq.block_table) for c in chunks)
-        tables = torch.zeros(len(chunks), pages, dtype=torch.int32)
+        flat: list[int] = []  # [B * pages], built as one list: one tensor, one copy
         starts, lens, ctx = [], [], []
         row = 0
-        for i, c in enumerate(chunks):
-            tables[i, : len(c.seq.block_table)] = torch.tensor(c.seq.block_table, dtype=torch.int32)
+        for c in chunks:
+            flat += c.seq.block_table
+            flat += [0] * (pages - len(c.seq.block_table))
             starts.append(row)
             lens.append(c.num_tokens)
             ctx.append(c.start + c.num_tokens)
@@ -94,7 +95,7 @@ class ModelRunner:
         dev = self.device
         as_int = lambda xs: torch.tensor(xs, dtype=torch.int32).to(dev, non_blocking=True)  # noqa: E731
         return dict(
-            block_tables=tables.to(dev, non_blocking=True),
+            block_tables=as_int(flat).view(len(chunks), pages),
             q_start=as_int(starts),
             q_len=as_int(lens),
             ctx_len=as_int(ctx),
