@@ -82,12 +82,11 @@ class ModelRunner:
     def _triton_fields(self, batch: ScheduledBatch) -> dict:
         chunks = batch.chunks
         pages = max(len(c.seq.block_table) for c in chunks)
-        flat: list[int] = []  # [B * pages], built as one list: one tensor, one copy
+        tables = torch.zeros(len(chunks), pages, dtype=torch.int32)
         starts, lens, ctx = [], [], []
         row = 0
-        for c in chunks:
-            flat += c.seq.block_table
-            flat += [0] * (pages - len(c.seq.block_table))
+        for i, c in enumerate(chunks):
+            tables[i, : len(c.seq.block_table)] = torch.tensor(c.seq.block_table, dtype=torch.int32)
             starts.append(row)
             lens.append(c.num_tokens)
             ctx.append(c.start + c.num_tokens)
@@ -95,7 +94,7 @@ class ModelRunner:
         dev = self.device
         as_int = lambda xs: torch.tensor(xs, dtype=torch.int32).to(dev, non_blocking=True)  # noqa: E731
         return dict(
-            block_tables=as_int(flat).view(len(chunks), pages),
+            block_tables=tables.to(dev, non_blocking=True),
             q_start=as_int(starts),
             q_len=as_int(lens),
             ctx_len=as_int(ctx),

@@ -16,7 +16,6 @@ reduced over one dim; other cases keep the stock kernel).
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import warnings
 from collections.abc import Iterator
@@ -117,9 +116,7 @@ _OVERRIDES = {
 _CUDA_GEMMS = {"mm": _mm_cuda, "addmm": _addmm_cuda, "bmm": _bmm_cuda}
 
 
-@functools.cache
 def triton_available() -> bool:
-    """Triton importable and a CUDA device visible (checked once: the fused ops ask per call)."""
     try:
         import triton  # noqa: F401
     except ImportError:
