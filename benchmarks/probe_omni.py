@@ -57,7 +57,7 @@ def write_random_thinker(path: Path, layers: int, seed: int, device: str) -> Pat
     """Random bf16 weights for every tensor of transformers' thinker (shapes from a meta build)."""
     from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
 
-    from samebits.model.loader import save_state_dict
+    from samebits.model.loader import save_tensor_stream
 
     cfg = thinker_config(layers)
     with torch.device("meta"):
@@ -65,20 +65,22 @@ def write_random_thinker(path: Path, layers: int, seed: int, device: str) -> Pat
             n: tuple(t.shape) for n, t in Qwen3OmniMoeThinkerForConditionalGeneration(cfg).state_dict().items()
         }
     g = torch.Generator(device=device).manual_seed(seed)
-    state = {}
-    for name, shape in shapes.items():
-        noise = torch.randn(shape, device=device, generator=g)
-        if len(shape) == 1:
-            norm = "norm" in name or "ln_" in name
-            t = 1 + 0.1 * noise if norm and name.endswith("weight") else 0.02 * noise
-        else:
-            t = noise * (torch.tensor(shape[1:]).prod().item()) ** -0.5
-        state[name] = t.bfloat16().cpu()
+
+    def tensors():  # one at a time: save_tensor_stream keeps one 4 GiB shard in host memory
+        for name, shape in shapes.items():
+            noise = torch.randn(shape, device=device, generator=g)
+            if len(shape) == 1:
+                norm = "norm" in name or "ln_" in name
+                t = 1 + 0.1 * noise if norm and name.endswith("weight") else 0.02 * noise
+            else:
+                t = noise * (torch.tensor(shape[1:]).prod().item()) ** -0.5
+            yield name, t.bfloat16()
+
     cfg_dict = cfg.to_dict() | {
         "architectures": ["Qwen3OmniMoeThinkerForConditionalGeneration"],
         "dtype": "bfloat16",
     }
-    return save_state_dict(cfg_dict, state, path, max_shard_bytes=4 << 30)
+    return save_tensor_stream(cfg_dict, tensors(), path, max_shard_bytes=4 << 30)
 
 
 def real_prompts(seed: int) -> dict:

@@ -64,43 +64,22 @@ class Row:
 def write_random_checkpoint(path: Path, layers: int, seed: int, shard_bytes: int = 4 << 30) -> Path:
     """A Qwen3-30B-A3B-shaped checkpoint (fused experts) with random bf16 weights, written
     shard by shard (never the whole model in host memory). Needs CUDA for the generator."""
-    from safetensors.torch import save_file
     from transformers import Qwen3MoeConfig
 
-    from samebits.model.loader import expected_shapes
+    from samebits.model.loader import expected_shapes, save_tensor_stream
 
     cfg = Qwen3MoeConfig(num_hidden_layers=layers, **QWEN3_30B_A3B).to_dict()
     cfg["architectures"], cfg["dtype"] = ["Qwen3MoeForCausalLM"], "bfloat16"
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
     g = torch.Generator(device="cuda").manual_seed(seed)
-    shard, size, weight_map, files = {}, 0, {}, []
 
-    def flush():
-        name = f"model-{len(files) + 1:05d}.safetensors"
-        save_file(shard, str(path / name), metadata={"format": "pt"})
-        files.append(name)
-        weight_map.update(dict.fromkeys(shard, name))
-        shard.clear()
+    def tensors():
+        for name, shape in expected_shapes(ModelConfig.from_dict(cfg)).items():
+            if len(shape) == 1:
+                yield name, (1 + 0.1 * torch.randn(shape, device="cuda", generator=g)).bfloat16()
+            else:
+                yield name, (torch.randn(shape, device="cuda", generator=g) * shape[-1] ** -0.5).bfloat16()
 
-    for name, shape in expected_shapes(ModelConfig.from_dict(cfg)).items():
-        if len(shape) == 1:
-            t = 1 + 0.1 * torch.randn(shape, device="cuda", generator=g)
-        else:
-            t = torch.randn(shape, device="cuda", generator=g) * shape[-1] ** -0.5
-        shard[name] = t.bfloat16().cpu()
-        size += shard[name].numel() * 2
-        if size >= shard_bytes:
-            flush()
-            size = 0
-    if shard:
-        flush()
-    index = {
-        "metadata": {"total_size": sum((path / f).stat().st_size for f in files)},
-        "weight_map": weight_map,
-    }
-    (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    return path
+    return save_tensor_stream(cfg, tensors(), path, shard_bytes)
 
 
 def copy_bandwidth(device, nbytes: int = 4 << 30) -> float:

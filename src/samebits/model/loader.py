@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -273,25 +274,59 @@ def save_state_dict(
     (sharing storage with the embedding) is left out, as transformers does. Weight files
     of an earlier save in `path` are removed first so the two cannot mix.
     """
+    tensors = {n: t for n, t in state.items() if not _is_tied(n, state)}
+    if max_shard_bytes is not None:
+        return save_tensor_stream(cfg_dict, tensors.items(), path, max_shard_bytes)
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    for old in [*path.glob("model*.safetensors"), path / INDEX_FILE]:
-        old.unlink(missing_ok=True)
+    _clear_weights(path)
     (path / "config.json").write_text(json.dumps(cfg_dict, indent=2, sort_keys=True) + "\n")
-    tensors = {n: t.detach().contiguous().cpu() for n, t in state.items() if not _is_tied(n, state)}
-    if max_shard_bytes is None:
-        save_file(tensors, str(path / SINGLE_FILE), metadata={"format": "pt"})
-        return path
-    shards = _split(tensors, max_shard_bytes)
+    tensors = {n: t.detach().contiguous().cpu() for n, t in tensors.items()}
+    save_file(tensors, str(path / SINGLE_FILE), metadata={"format": "pt"})
+    return path
+
+
+def save_tensor_stream(
+    cfg_dict: dict, named_tensors: Iterable[tuple[str, torch.Tensor]], path: str | Path, max_shard_bytes: int
+) -> Path:
+    """Write tensors as they come into shards of at most `max_shard_bytes` (a larger tensor
+    gets a shard of its own), with `config.json` and the index: host memory holds one shard
+    at a time, so a 61 GB checkpoint can be written from a generator of device tensors."""
+    path = Path(path)
+    _clear_weights(path)
+    (path / "config.json").write_text(json.dumps(cfg_dict, indent=2, sort_keys=True) + "\n")
+    files: list[list[str]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        save_file(shard, str(path / f"shard-{len(files):05d}.tmp"), metadata={"format": "pt"})
+        files.append(list(shard))
+        shard.clear()
+
+    for name, t in named_tensors:
+        nbytes = t.numel() * t.element_size()
+        if shard and size + nbytes > max_shard_bytes:
+            flush()
+            size = 0
+        shard[name] = t.detach().contiguous().cpu()
+        size, total = size + nbytes, total + nbytes
+    if shard or not files:
+        flush()
     weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / fname), metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(shard, fname)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    for i, names in enumerate(files):
+        fname = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        (path / f"shard-{i:05d}.tmp").replace(path / fname)
+        weight_map |= dict.fromkeys(names, fname)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return path
+
+
+def _clear_weights(path: Path) -> None:
+    """Make `path`; remove an earlier save's weight files from it so the two cannot mix."""
+    path.mkdir(parents=True, exist_ok=True)
+    for old in [*path.glob("model*.safetensors"), path / INDEX_FILE]:
+        old.unlink(missing_ok=True)
 
 
 def _is_tied(name: str, state: dict[str, torch.Tensor]) -> bool:
@@ -301,16 +336,3 @@ def _is_tied(name: str, state: dict[str, torch.Tensor]) -> bool:
         and embed is not None
         and state[name].untyped_storage().data_ptr() == embed.untyped_storage().data_ptr()
     )
-
-
-def _split(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    return shards
