@@ -73,6 +73,29 @@ def test_negative_control_stock_update_kernels_mismatch_the_old_logprobs(tiny):
     assert row["old_logprobs_mismatch_count"] > 0
 
 
+def test_stock_recompute_kernels_mismatch_the_rollout(tiny):
+    row = RLLoop(_cfg(tiny, recompute_kernels="stock")).step()
+    assert row["rollout_logprobs_mismatch_count"] > 0
+
+
+def test_stock_baseline_reaches_engine_and_trainer(tiny):
+    """The arm benchmarks/rl_step.py prices exactness against: every piece stock."""
+    loop = RLLoop(
+        _cfg(
+            tiny,
+            engine_numerics="fast",
+            trainer_experts="grouped_mm",
+            trainer_attention="sdpa",
+            recompute_kernels="stock",
+            update_kernels="stock",
+        )
+    )
+    assert loop.llm.runner.profile.name == "fast"
+    assert loop.model.config._attn_implementation == "sdpa"
+    row = loop.step()
+    assert row["rollout_logprobs_mismatch_count"] > 0 and row["digest_mismatch_count"] == 0
+
+
 def test_freezing_the_experts_keeps_them_and_syncs_the_rest(tiny):
     loop = RLLoop(_cfg(tiny, freeze=("experts",)))
     before = _trainer_digests(loop)
@@ -295,6 +318,9 @@ def test_micro_batches_respect_the_budget_and_cover_every_sequence():
         (dict(mini_batches=17), r"mini_batches \(17\) must be <= num_prompts \* n \(16"),
         (dict(lr=-1.0), "lr must be a finite number >= 0"),
         (dict(trainer_experts="sdpa"), "trainer_experts must be one of"),
+        (dict(trainer_attention="flash"), "trainer_attention must be one of"),
+        (dict(engine_numerics="turbo"), "engine_numerics must be one of"),
+        (dict(recompute_kernels="cublas"), "recompute_kernels must be one of"),
         (dict(freeze="experts"), "freeze must be a tuple"),
         (dict(reward="nomodule"), "reward must be 'toy', 'hash' or 'module:function'"),
         (dict(clip_eps=0), "clip_eps must be a finite number > 0"),

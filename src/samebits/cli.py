@@ -108,6 +108,9 @@ def _rl_config(args):
         seed=args.seed,
         trainer_experts=args.trainer_experts,
         update_kernels=args.update_kernels,
+        engine_numerics=args.engine_numerics,
+        trainer_attention=args.trainer_attention,
+        recompute_kernels=args.recompute_kernels,
         digest_tensors=None if args.digest == "all" else tuple(args.digest.split(",")),
         out_dir=args.out,
     )
@@ -162,6 +165,24 @@ def _add_rl(sub) -> None:
         default="batch_invariant",
         choices=["batch_invariant", "stock"],
         help="kernels of the update forward; stock is the negative control of the old-log-prob check",
+    )
+    r.add_argument(
+        "--recompute-kernels",
+        default="batch_invariant",
+        choices=["batch_invariant", "stock"],
+        help="kernels of the old-log-prob recompute; stock is part of the stock baseline",
+    )
+    r.add_argument(
+        "--engine-numerics",
+        default="exact",
+        choices=["exact", "fast"],
+        help="the engine's numerics profile; fast (cuBLAS, grouped_mm) is part of the stock baseline",
+    )
+    r.add_argument(
+        "--trainer-attention",
+        default="samebits",
+        choices=["samebits", "sdpa", "eager"],
+        help="trainer attention implementation; sdpa is part of the stock baseline",
     )
     r.add_argument("--digest", default="all", help="'all' or comma-separated parameter names to digest")
     r.add_argument(

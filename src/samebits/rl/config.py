@@ -8,7 +8,9 @@ from dataclasses import dataclass
 ALGORITHMS = ("gspo", "grpo")
 DTYPES = ("bfloat16", "float32")
 EXPERTS = ("samebits", "grouped_mm", "eager")
-UPDATE_KERNELS = ("batch_invariant", "stock")
+ATTENTION = ("samebits", "sdpa", "eager")
+KERNELS = ("batch_invariant", "stock")
+ENGINE_NUMERICS = ("exact", "fast")
 
 # short names for common parameter groups (name substrings of HF Qwen3-MoE parameters)
 FREEZE_GROUPS = {
@@ -58,6 +60,11 @@ class RLConfig:
     # "stock": the update forward runs outside batch_invariant() (stock GEMMs and reductions),
     # the negative control of the old-log-prob comparison
     update_kernels: str = "batch_invariant"
+    # the stock baseline that prices exactness (benchmarks/rl_step.py): engine_numerics="fast",
+    # trainer_experts="grouped_mm", trainer_attention="sdpa", both kernels fields "stock"
+    engine_numerics: str = "exact"
+    trainer_attention: str = "samebits"
+    recompute_kernels: str = "batch_invariant"
     digest_tensors: tuple[str, ...] | None = None  # None: every parameter
     out_dir: str | None = None
 
@@ -65,7 +72,10 @@ class RLConfig:
         _one_of("algorithm", self.algorithm, ALGORITHMS)
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("trainer_experts", self.trainer_experts, EXPERTS)
-        _one_of("update_kernels", self.update_kernels, UPDATE_KERNELS)
+        _one_of("update_kernels", self.update_kernels, KERNELS)
+        _one_of("recompute_kernels", self.recompute_kernels, KERNELS)
+        _one_of("engine_numerics", self.engine_numerics, ENGINE_NUMERICS)
+        _one_of("trainer_attention", self.trainer_attention, ATTENTION)
         for name in ("steps", "num_prompts", "prompt_len", "max_tokens", "mini_batches", "micro_batch_tokens"):
             _int_at_least(name, getattr(self, name), 1)
         _int_at_least("n", self.n, 2)  # a group of one has no spread to normalise by

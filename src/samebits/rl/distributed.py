@@ -80,9 +80,12 @@ class DistributedRLLoop:
             dtype=config.dtype,
             max_num_seqs=self.local_seqs,
             max_model_len=config.max_model_len,
+            numerics=config.engine_numerics,
         )
         param_dtype = None if self.dtype == torch.float32 else self.dtype
-        self.model = fsdp.load_sharded_trainer(self.path, device, param_dtype, config.trainer_experts)
+        self.model = fsdp.load_sharded_trainer(
+            self.path, device, param_dtype, config.trainer_experts, config.trainer_attention
+        )
         self.trainable = _freeze(self.model, config.freeze_patterns())
         self.optimizer = torch.optim.AdamW(
             [p for _, p in self.trainable], lr=config.lr, betas=config.betas, weight_decay=config.weight_decay

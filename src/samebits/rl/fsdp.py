@@ -45,7 +45,9 @@ def shard(model, param_dtype: torch.dtype | None, device_type: str):
     return model
 
 
-def load_sharded_trainer(path, device: str, param_dtype: torch.dtype | None, experts_implementation: str):
+def load_sharded_trainer(
+    path, device: str, param_dtype: torch.dtype | None, experts_implementation: str, attn_implementation: str
+):
     """The transformers model with float32 master weights, FSDP2-sharded over the world.
 
     Meta-device build -> `shard` -> `to_empty` -> each parameter's shard copied from the
@@ -62,7 +64,7 @@ def load_sharded_trainer(path, device: str, param_dtype: torch.dtype | None, exp
             host.config,
             dtype=torch.float32,
             experts_implementation=experts_implementation,
-            attn_implementation="samebits",
+            attn_implementation=attn_implementation,
         )
     shard(model, param_dtype, torch.device(device).type)
     model.to_empty(device=device)

@@ -44,12 +44,14 @@ class RLLoop:
             dtype=config.dtype,
             max_num_seqs=config.num_sequences,
             max_model_len=config.max_model_len,
+            numerics=config.engine_numerics,
         )
         self.model = trainer.load_hf_model(
             self.path,
             device=config.device,
             dtype=DTYPES[config.dtype],
             experts_implementation=config.trainer_experts,
+            attn_implementation=config.trainer_attention,
         )
         self.trainable = _freeze(self.model, config.freeze_patterns())
         self.optimizer = torch.optim.AdamW(
@@ -238,6 +240,11 @@ def _compare(got: list[torch.Tensor], want: list[torch.Tensor]) -> tuple[int, in
     return mism, total, diff
 
 
+def _kernels(choice: str):
+    """RLConfig's recompute_kernels / update_kernels -> the context the forward runs in."""
+    return batch_invariant if choice == "batch_invariant" else nullcontext
+
+
 def _rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -262,14 +269,15 @@ def _mean(xs) -> float:
 
 
 def recompute_old(loop, seqs, plens) -> list[torch.Tensor]:
-    """Old log-probs: no grad, under batch_invariant(), in `loop._micro_batches` packed forwards.
+    """Old log-probs: no grad, under batch_invariant() (unless `recompute_kernels` is "stock"),
+    in `loop._micro_batches` packed forwards.
 
     Shared by `RLLoop` and `DistributedRLLoop`: `loop` gives `model`, `_micro_batches` and
     `_forward` (an empty micro-batch is the distributed loop's padding: its output is dropped).
     """
     loop.model.eval()
     out: list[torch.Tensor | None] = [None] * len(seqs)
-    with batch_invariant():
+    with _kernels(loop.config.recompute_kernels)():
         for micro in loop._micro_batches(range(len(seqs)), [len(s) for s in seqs]):
             lps = loop._forward(micro, seqs, plens, False)
             for i, lp in zip(micro, lps[: len(micro)], strict=True):
@@ -291,7 +299,7 @@ def update_policy(loop, seqs, plens, old, adv) -> dict:
     loop.model.train()
     losses, clips, norms = [], [], []
     old_cmp = [0, 0, 0.0]
-    kernels = batch_invariant if cfg.update_kernels == "batch_invariant" else nullcontext
+    kernels = _kernels(cfg.update_kernels)
     for k, mini in enumerate(split_mini_batches(len(seqs), cfg.mini_batches)):
         for micro in loop._micro_batches(mini, lengths):
             with kernels():

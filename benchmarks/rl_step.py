@@ -1,0 +1,153 @@
+"""What exactness costs the RL loop: `samebits rl` steps, on-policy arm vs stock arm, one run.
+
+    python benchmarks/rl_step.py --layers 48 --dir /dev/shm/q48 --freeze experts --out rl_step.json   # CUDA
+    python benchmarks/rl_step.py --steps 3                                       # tiny model, CPU
+
+Arms (each a fresh `RLLoop` on the same checkpoint, same prompts, seeds and settings):
+- `on-policy`: the engine's exact profile; the trainer's transformers model with samebits
+  experts and attention; recompute and update forwards under `batch_invariant()`.
+- `stock`: the engine's fast profile (cuBLAS, grouped_mm); the trainer with transformers'
+  `grouped_mm` experts and `sdpa` attention; recompute and update forwards on stock kernels.
+  This is the loop a normal engine + trainer would run: its mismatch counts are nonzero.
+
+Prints each arm's per-step metrics and one table of the median time per phase over the
+steps after the first (the first compiles Triton kernels and captures CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ARMS = {
+    "on-policy": {},
+    "stock": dict(
+        engine_numerics="fast",
+        trainer_experts="grouped_mm",
+        trainer_attention="sdpa",
+        recompute_kernels="stock",
+        update_kernels="stock",
+    ),
+}
+PHASES = ("rollout", "reward", "recompute", "update", "sync", "digest", "step")
+
+
+def run_arm(config) -> list[dict]:
+    from samebits.rl import RLLoop
+
+    t0 = time.perf_counter()
+    loop = RLLoop(config)
+    print(f"  loaded engine + trainer in {time.perf_counter() - t0:.0f} s", flush=True)
+    rows = []
+    for _ in range(config.steps):
+        rows.append(loop.step())
+        r = rows[-1]
+        print(
+            f"  step {r['step']}: rollout {_count([r], 'rollout')} old {_count([r], 'old')}"
+            f" digests {r['digests_checked'] - r['digest_mismatch_count']}/{r['digests_checked']}"
+            f" grad_norm {r['grad_norm']:.3g} reward {r['reward_mean']:.3f} step {r['time_step_s']:.2f} s",
+            flush=True,
+        )
+    return rows
+
+
+def medians(rows: list[dict]) -> dict[str, float]:
+    """Median seconds per phase over the steps after the first (all steps if there is one)."""
+    timed = rows[1:] or rows
+    return {p: statistics.median(r[f"time_{p}_s"] for r in timed) for p in PHASES}
+
+
+def _count(rows: list[dict], kind: str) -> str:
+    """'mismatches/tokens' of the rollout or old-log-prob comparison, summed over rows."""
+    return "/".join(str(sum(r[f"{kind}_logprobs_{k}"] for r in rows)) for k in ("mismatch_count", "tokens"))
+
+
+def print_summary(results: dict[str, list[dict]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="RL step: median seconds per phase (steps after the first)")
+    table.add_column("arm")
+    for p in PHASES:
+        table.add_column(p, justify="right")
+    table.add_column("mismatches rollout / old", justify="right")
+    base = medians(results["stock"])["step"] if "stock" in results else None
+    for arm, rows in results.items():
+        med = medians(rows)
+        step = f"{med['step']:.3f}" + (f" ({med['step'] / base:.2f}x)" if base else "")
+        table.add_row(
+            arm,
+            *[f"{med[p]:.3f}" for p in PHASES[:-1]],
+            step,
+            f"{_count(rows, 'rollout')} / {_count(rows, 'old')}",
+        )
+    Console(width=160).print(table)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF checkpoint dir (default: --layers random, or tiny on CPU)")
+    p.add_argument("--layers", type=int, default=0, help="write a random Qwen3-30B-A3B-shaped checkpoint")
+    p.add_argument("--dir", default="/dev/shm/samebits-rl-step", help="where --layers writes it")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--arms", default="on-policy,stock", help=f"comma-separated, of {list(ARMS)}")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--n", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--freeze", default="", help="comma-separated groups, e.g. experts")
+    p.add_argument(
+        "--digest",
+        default=None,
+        help="comma-separated names to sha256 each step (default: every parameter; slow at scale)",
+    )
+    p.add_argument("--out", default=None, help="write every arm's per-step metrics as JSON")
+    args = p.parse_args()
+    arms = args.arms.split(",")
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        p.error(f"--arms: unknown {unknown}; choose from {list(ARMS)}")
+    from samebits.rl import RLConfig
+
+    model = args.model
+    if args.layers:
+        from samebits.bench import write_random_checkpoint
+
+        t0 = time.perf_counter()
+        model = str(write_random_checkpoint(Path(args.dir), args.layers, seed=0))
+        torch.cuda.empty_cache()  # the arms' processes need the memory
+        print(f"checkpoint: {args.layers} layers at {model} in {time.perf_counter() - t0:.0f} s", flush=True)
+    config = RLConfig(
+        model=model,
+        device=args.device,
+        steps=args.steps,
+        num_prompts=args.prompts,
+        n=args.n,
+        prompt_len=args.prompt_len,
+        max_tokens=args.max_tokens,
+        lr=args.lr,
+        freeze=tuple(f for f in args.freeze.split(",") if f),
+        digest_tensors=tuple(args.digest.split(",")) if args.digest else None,
+    )
+    results = {}
+    for arm in arms:  # each arm in a fresh process: both start cold, and all its memory is freed after
+        print(f"arm {arm}:", flush=True)
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results[arm] = pool.submit(run_arm, replace(config, **ARMS[arm])).result()
+    print_summary(results)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
