@@ -1,0 +1,95 @@
+"""Where the trainer's time goes: samebits kernels vs stock transformers, forward and backward (CUDA).
+
+    python benchmarks/trainer_profile.py --layers 8 --dir /dev/shm/q8 --seqs 4 --tokens 128
+
+For each arm (samebits experts + attention under `batch_invariant()`; stock `grouped_mm` +
+`sdpa` on cuBLAS), on one packed micro-batch of `--seqs` x `--tokens` tokens with the experts
+frozen (as in the RL runs): the wall time of a no-grad forward (the recompute) and of a
+forward+backward (the update), the GPU-busy time inside them (sum of kernel times from the
+profiler: wall >> busy means the host is the bound), and the top kernels by GPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from pathlib import Path
+
+import torch
+
+ARMS = {
+    "samebits": ({}, True),
+    "stock": ({"experts_implementation": "grouped_mm", "attn_implementation": "sdpa"}, False),
+}
+
+
+def step(model, data, exact: bool, backward: bool) -> None:
+    from samebits import trainer
+    from samebits.numerics.batch_invariant import batch_invariant
+
+    with torch.set_grad_enabled(backward), batch_invariant() if exact else contextlib.nullcontext():
+        lps = trainer.token_logprobs(model, data, [1] * len(data), packed=True, with_grad=backward)
+    if backward:
+        (-torch.cat(lps).mean()).backward()
+        model.zero_grad(set_to_none=True)
+
+
+def measure(model, data, exact: bool, backward: bool, reps: int, top: int) -> tuple[float, float, str]:
+    """-> (wall ms, GPU-busy ms, top-kernel table) per step, after a warm-up step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step(model, data, exact, backward)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        step(model, data, exact, backward)
+    torch.cuda.synchronize()
+    wall = 1000 * (time.perf_counter() - t0) / reps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step(model, data, exact, backward)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1000  # us -> ms
+    return wall, busy, events.table(sort_by="self_device_time_total", row_limit=top)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF checkpoint dir (default: write --layers random)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--dir", default="/dev/shm/samebits-trainer-profile")
+    p.add_argument("--seqs", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--top", type=int, default=15, help="kernels listed per arm and pass")
+    p.add_argument("--arms", default=",".join(ARMS))
+    args = p.parse_args()
+    from samebits import trainer
+    from samebits.bench import free_memory, write_random_checkpoint
+
+    model_path = args.model or write_random_checkpoint(Path(args.dir), args.layers, seed=0)
+    g = torch.Generator().manual_seed(0)
+    summary = []
+    for arm in args.arms.split(","):
+        impl, exact = ARMS[arm]
+        model = trainer.load_hf_model(model_path, device="cuda", **impl)
+        for n, prm in model.named_parameters():
+            prm.requires_grad_("mlp.experts" not in n)
+        data = [torch.randint(0, model.config.vocab_size, (args.tokens,), generator=g).tolist()]
+        data *= args.seqs
+        for backward in (False, True):
+            model.train(backward)
+            wall, busy, table = measure(model, data, exact, backward, args.reps, args.top)
+            name = f"{arm} {'forward+backward' if backward else 'forward (no grad)'}"
+            summary.append((name, wall, busy))
+            print(f"\n== {name}: wall {wall:.1f} ms, GPU busy {busy:.1f} ms\n{table}", flush=True)
+        del model
+        free_memory()
+    print(f"\n{args.seqs} x {args.tokens} tokens packed, experts frozen")
+    for name, wall, busy in summary:
+        print(f"{name:36s} wall {wall:8.1f} ms   GPU busy {busy:8.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
