@@ -6,7 +6,7 @@ For each arm (samebits experts + attention under `batch_invariant()`; stock `gro
 `sdpa` on cuBLAS), on one packed micro-batch of `--seqs` x `--tokens` tokens with the experts
 frozen (as in the RL runs): the wall time of a no-grad forward (the recompute) and of a
 forward+backward (the update), the GPU-busy time inside them (sum of kernel times from the
-profiler: wall >> busy means the host is the bound), and the top kernels by GPU time.
+profiler: wall >> busy means the host is the bound), and the top ops by GPU time and by host time.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def step(model, data, exact: bool, backward: bool) -> None:
 
 
 def measure(model, data, exact: bool, backward: bool, reps: int, top: int) -> tuple[float, float, str]:
-    """-> (wall ms, GPU-busy ms, top-kernel table) per step, after a warm-up step."""
+    """-> (wall ms, GPU-busy ms, top ops by GPU and by host time) per step, after a warm-up step."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     step(model, data, exact, backward)
@@ -50,8 +51,12 @@ def measure(model, data, exact: bool, backward: bool, reps: int, top: int) -> tu
         step(model, data, exact, backward)
         torch.cuda.synchronize()
     events = prof.key_averages()
-    busy = sum(e.self_device_time_total for e in events) / 1000  # us -> ms
-    return wall, busy, events.table(sort_by="self_device_time_total", row_limit=top)
+    # kernel (device-side) events only, as the table's "Self CUDA time total" counts them
+    busy = sum(e.self_device_time_total for e in events if e.device_type != DeviceType.CPU) / 1000
+    tables = [
+        events.table(sort_by=key, row_limit=top) for key in ("self_device_time_total", "self_cpu_time_total")
+    ]
+    return wall, busy, "\n".join(tables)
 
 
 def main() -> None:

@@ -124,6 +124,65 @@ def test_triton_experts_backward_matches_float64():
         assert rel < 2e-2, rel
 
 
+def test_packed_attention_backward_matches_float64():
+    """The backward (sdpa per sequence, K/V heads repeated) against float64 autograd."""
+    from samebits.kernels.attention import Packing
+    from samebits.kernels.attention_triton import packed_attention
+
+    bounds, (h, kvh, d) = [(0, 70), (70, 71), (71, 200)], (32, 4, 128)
+    q, k, v = (torch.randn(200, n, d, device="cuda", generator=_g(i)) for i, n in enumerate((h, kvh, kvh)))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out = packed_attention(*(t.bfloat16() for t in leaves), Packing.of(bounds, "cuda"), d**-0.5)
+    grad = torch.randn(out.shape, device="cuda", generator=_g(7)).bfloat16()
+    got = torch.autograd.grad(out, leaves, grad)
+    dl = [t.detach().double().requires_grad_() for t in leaves]
+    ref = torch.cat(
+        [
+            torch.nn.functional.scaled_dot_product_attention(
+                *(t[s:e].transpose(0, 1) for t in dl), is_causal=True, scale=d**-0.5, enable_gqa=True
+            ).transpose(0, 1)
+            for s, e in bounds
+        ]
+    )
+    want = torch.autograd.grad(ref, dl, grad.double())
+    for a, b in zip(got, want, strict=True):
+        rel = ((a.double() - b).norm() / b.norm()).item()
+        assert rel < 2e-2, rel
+
+
+@pytest.mark.parametrize(
+    "shape,dim",
+    [
+        ((33, 2048), -1),
+        ((5, 7, 128), -1),
+        ((9, 96), 1),
+        ((17, 24), -1),
+        ((40, 8), -1),
+        ((3, 8192), -1),
+        ((6, 3000), -1),
+        ((11, 5), 0),
+        ((4, 1), -1),
+    ],
+)
+def test_triton_tree_sum_gives_tree_sum_ref_bits(shape, dim):
+    from samebits.kernels.reduce import tree_sum_ref
+    from samebits.kernels.reduce_triton import tree_sum
+
+    x = torch.randn(shape, device="cuda", generator=_g(3)) * torch.logspace(-4, 4, shape[-1], device="cuda")
+    x[0] = -0.0  # all -0.0: the one sum whose sign depends on the pads
+    x[1, 0] = float("inf")
+
+    def bits(t):
+        return t.contiguous().view(torch.int32)
+
+    for keepdim in (False, True):
+        want, got = tree_sum_ref(x, dim, keepdim), tree_sum(x, dim, keepdim)
+        assert got.shape == want.shape and torch.equal(bits(got), bits(want))
+    # negative control: torch's own sum orders the adds otherwise, and the check sees it
+    if x.shape[dim] >= 24:
+        assert not torch.equal(bits(x.sum(dim)), bits(tree_sum_ref(x, dim)))
+
+
 def test_trainer_trains_through_cuda_kernels(tmp_path):
     from samebits import batch_invariant, trainer
     from samebits.model.tiny import build_tiny_checkpoint

@@ -71,3 +71,18 @@ def test_samebits_attention_refuses_a_padding_mask(model):
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     with pytest.raises(ValueError, match="no padding mask"):
         model(input_ids=ids, attention_mask=mask, use_cache=False)
+
+
+def test_packed_positions_are_read_once_per_position_tensor():
+    """Every layer of a packed forward gets the same position_ids object: its sequence bounds
+    (a device-to-host read on CUDA) are found once, and again only after an in-place change."""
+    from samebits.trainer.registration import _packings
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0]])
+    first = _packings(pos)
+    assert first[0].bounds == ((0, 3), (3, 5), (5, 6))
+    assert first[0].lens.tolist() == [3, 2, 1] and first[0].table[1].tolist() == [3, 4, 5]
+    assert _packings(pos) is first
+    pos[0, 3:5] = torch.tensor([3, 4])  # now one sequence of 5 tokens, then one of 1
+    assert _packings(pos)[0].bounds == ((0, 5), (5, 6))
+    assert _packings(pos.clone())[0].bounds == ((0, 5), (5, 6))

@@ -13,6 +13,8 @@ KVH = kv heads, G = H // KVH, D = head dim.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from samebits.kernels.reduce import tree_sum_ref
@@ -52,6 +54,28 @@ def _attend(q, k, v, q_pos, scale):
     pv = (p.unsqueeze(-1) * vf).masked_fill(~visible.unsqueeze(-1), -0.0)  # [B, R, KVH, G, L, D]
     out = tree_sum_ref(pv, dim=-2)  # [B, R, KVH, G, D]
     return out.reshape(b, r, h, d).to(q.dtype)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Sequences packed in one row: their (start, end) on the host and, made once, the
+    device tensors `attention` reads them through (so a forward over many layers copies
+    them to the GPU once, not once per layer)."""
+
+    bounds: tuple[tuple[int, int], ...]
+    table: torch.Tensor  # [B, longest] int32: key j of sequence b is packed row table[b, j]
+    starts: torch.Tensor  # [B] int32
+    lens: torch.Tensor  # [B] int32
+    longest: int
+
+    @classmethod
+    def of(cls, bounds, device) -> Packing:
+        bounds = tuple((int(s), int(e)) for s, e in bounds)
+        host = torch.tensor([[s, e - s] for s, e in bounds], dtype=torch.int32)  # [B, 2]
+        starts, lens = host.to(device, non_blocking=True).unbind(1)
+        longest = max(e - s for s, e in bounds)
+        table = torch.arange(longest, dtype=torch.int32, device=device)[None, :] + starts[:, None]
+        return cls(bounds, table, starts.contiguous(), lens.contiguous(), longest)
 
 
 def segment_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from samebits.kernels.attention import Packing
+
 BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 64, 4, 2
 _DTYPES = (torch.bfloat16, torch.float16)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (development only)
@@ -207,7 +209,7 @@ def varlen_attention(
     q: torch.Tensor,  # [S, H, D]
     k: torch.Tensor,  # [S, KVH, D]
     v: torch.Tensor,  # [S, KVH, D]
-    bounds: list[tuple[int, int]],
+    bounds: list[tuple[int, int]] | Packing,
     scale: float,
 ) -> torch.Tensor:
     """Causal attention within packed sequences (start, end) of one row -> [S, H, D].
@@ -215,46 +217,45 @@ def varlen_attention(
     The trainer's path: the packed K/V are the cache (page_size 1), so each row
     runs the same kernel, with the same blocks, as the engine's paged path.
     """
-    dev = q.device
-    longest = max(end - start for start, end in bounds)
-    table = torch.arange(longest, dtype=torch.int32, device=dev)[None, :] + torch.tensor(
-        [s for s, _ in bounds], dtype=torch.int32, device=dev
-    ).view(-1, 1)
-    lens = torch.tensor([e - s for s, e in bounds], dtype=torch.int32, device=dev)
-    starts = torch.tensor([s for s, _ in bounds], dtype=torch.int32, device=dev)
-    return attention(q, k, v, table, starts, lens, lens, longest, scale, 1)
+    pk = bounds if isinstance(bounds, Packing) else Packing.of(bounds, q.device)
+    return attention(q, k, v, pk.table, pk.starts, pk.lens, pk.lens, pk.longest, scale, 1)
 
 
 class _PackedAttention(torch.autograd.Function):
     """Forward: the batch-invariant kernel. Backward: sdpa's, per sequence, on the same
-    function (gradients carry no bitwise contract)."""
+    function (gradients carry no bitwise contract). Inputs are 4-d and K/V heads repeated to
+    the query heads, so sdpa can take a fused kernel (3-d or `enable_gqa` inputs run math)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bounds, scale):
+    def forward(ctx, q, k, v, packing, scale):
         ctx.save_for_backward(q, k, v)
-        ctx.bounds, ctx.scale = bounds, scale
-        return varlen_attention(q, k, v, bounds, scale)
+        ctx.bounds, ctx.scale = packing.bounds, scale
+        return varlen_attention(q, k, v, packing, scale)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v = ctx.saved_tensors
+        group = q.shape[1] // k.shape[1]
         grads = [torch.zeros_like(t) for t in (q, k, v)]
         for start, end in ctx.bounds:
-            parts = [t[start:end].transpose(0, 1).detach().requires_grad_() for t in (q, k, v)]  # [H, n, D]
+            # [1, heads, n, D]: sdpa's fused kernels take 4-d inputs only (3-d runs its math path)
+            parts = [t[None, start:end].transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
             with torch.enable_grad():
+                kv = [t.repeat_interleave(group, dim=1) for t in parts[1:]]  # [1, H, n, D]
                 out = torch.nn.functional.scaled_dot_product_attention(
-                    *parts, is_causal=True, scale=ctx.scale, enable_gqa=True
+                    parts[0], *kv, is_causal=True, scale=ctx.scale
                 )
-                got = torch.autograd.grad(out, parts, grad_out[start:end].transpose(0, 1))
+                got = torch.autograd.grad(out, parts, grad_out[None, start:end].transpose(1, 2))
             for g, part in zip(grads, got, strict=True):
-                g[start:end] = part.transpose(0, 1)
+                g[start:end] = part[0].transpose(0, 1)
         return grads[0], grads[1], grads[2], None, None
 
 
 def packed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[tuple[int, int]], scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[tuple[int, int]] | Packing, scale: float
 ) -> torch.Tensor:
     """`varlen_attention`, differentiable: q [S, H, D], k/v [S, KVH, D] -> [S, H, D]."""
+    pk = bounds if isinstance(bounds, Packing) else Packing.of(bounds, q.device)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _PackedAttention.apply(q, k, v, bounds, scale)
-    return varlen_attention(q, k, v, bounds, scale)
+        return _PackedAttention.apply(q, k, v, pk, scale)
+    return varlen_attention(q, k, v, pk, scale)

@@ -22,42 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _halve(s, WIDTH: tl.constexpr):
-    """[WIDTH] -> [WIDTH // 2]: element j is s[j] + s[j + WIDTH // 2] (one exact add each)."""
-    return tl.sum(tl.reshape(s, (2, WIDTH // 2)), axis=0)
-
-
-@triton.jit
-def _tree_sum(s, BLOCK: tl.constexpr):
-    if BLOCK >= 2:
-        s = _halve(s, BLOCK)
-    if BLOCK >= 4:
-        s = _halve(s, BLOCK // 2)
-    if BLOCK >= 8:
-        s = _halve(s, BLOCK // 4)
-    if BLOCK >= 16:
-        s = _halve(s, BLOCK // 8)
-    if BLOCK >= 32:
-        s = _halve(s, BLOCK // 16)
-    if BLOCK >= 64:
-        s = _halve(s, BLOCK // 32)
-    if BLOCK >= 128:
-        s = _halve(s, BLOCK // 64)
-    if BLOCK >= 256:
-        s = _halve(s, BLOCK // 128)
-    if BLOCK >= 512:
-        s = _halve(s, BLOCK // 256)
-    if BLOCK >= 1024:
-        s = _halve(s, BLOCK // 512)
-    if BLOCK >= 2048:
-        s = _halve(s, BLOCK // 1024)
-    if BLOCK >= 4096:
-        s = _halve(s, BLOCK // 2048)
-    if BLOCK >= 8192:
-        s = _halve(s, BLOCK // 4096)
-    return tl.sum(s, axis=0)  # one element left
+from samebits.kernels.reduce_triton import tree_sum_block
 
 
 @triton.jit
@@ -86,7 +51,7 @@ def rms_norm_kernel(
         x = (r.to(tl.float32) + x.to(tl.float32)).to(x_ptr.dtype.element_ty)  # residual + x, rounded
         tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
     h = x.to(tl.float32)
-    variance = _tree_sum(h * h, BLOCK) * inv_n
+    variance = tree_sum_block(h * h, BLOCK) * inv_n
     h = h * tl.math.rsqrt(variance + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     y = (w.to(tl.float32) * h.to(x_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from samebits.kernels.matmul import bmm_ref, matmul_ref
-from samebits.kernels.reduce import tree_sum_ref
+from samebits.kernels.reduce import tree_sum
 from samebits.kernels.softmax import log_softmax_ref, softmax_ref
 
 _lock = threading.Lock()
@@ -87,7 +87,7 @@ def _sum_dim(x, dim, keepdim=False, *, dtype=None):
         return torch.ops.aten.sum.IntList_out(x, dim, keepdim, dtype=dtype, out=out)
     acc = x.to(dtype) if dtype is not None else x
     low = acc.dtype in (torch.bfloat16, torch.float16)
-    total = tree_sum_ref(acc.float() if low else acc, dim=dim[0], keepdim=keepdim)
+    total = tree_sum(acc.float() if low else acc, dim=dim[0], keepdim=keepdim)
     return total.to(acc.dtype)
 
 
@@ -99,7 +99,7 @@ def _mean_dim(x, dim, keepdim=False, *, dtype=None):
     low = acc.dtype in (torch.bfloat16, torch.float16)
     xf = acc.float() if low else acc
     n = xf.shape[dim[0]]
-    return (tree_sum_ref(xf, dim=dim[0], keepdim=keepdim) / n).to(acc.dtype)
+    return (tree_sum(xf, dim=dim[0], keepdim=keepdim) / n).to(acc.dtype)
 
 
 _OVERRIDES = {

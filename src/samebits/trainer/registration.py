@@ -9,11 +9,12 @@ rollout engine.
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 from transformers import AttentionInterface
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.masking_utils import AttentionMaskInterface
 
-from samebits.kernels.attention import attention_ref, segment_bounds, varlen_attention
+from samebits.kernels.attention import Packing, attention_ref, segment_bounds, varlen_attention
 from samebits.kernels.experts import experts
 
 NAME = "samebits"
@@ -65,23 +66,47 @@ def samebits_attention(module, query, key, value, attention_mask, scaling=None, 
 
 def _attention_cuda(q, k, v, position_ids, scale):
     """The Triton kernel the engine runs, row by row of the batch; q [B, S, H, D]."""
-    from samebits.kernels.attention_triton import attention, packed_attention
+    from samebits.kernels.attention_triton import packed_attention
 
     b, s = q.shape[:2]
     sk = k.shape[1]
     dev = q.device
+    if sk != s:  # queries are the last s positions over a cache of sk keys
+        return torch.stack([_over_cache(q[i], k[i], v[i], scale) for i in range(b)])
+    if position_ids is None:
+        packings = [Packing.of([(0, s)], dev)] * b
+    else:
+        packings = _packings(position_ids)
+        if len(packings) not in (1, b):
+            raise ValueError(f"position_ids {tuple(position_ids.shape)} do not match a batch of {b} rows")
+        packings = packings * b if len(packings) == 1 else packings
+    return torch.stack([packed_attention(q[i], k[i], v[i], packings[i], scale) for i in range(b)])
+
+
+def _over_cache(q, k, v, scale):
+    """One row: q [s, H, D] are the last s positions over k/v [sk, KVH, D]."""
+    from samebits.kernels.attention_triton import attention
+
+    s, sk, dev = q.shape[0], k.shape[0], q.device
     table = torch.arange(sk, dtype=torch.int32, device=dev)[None]
     zero, queries, keys = (torch.tensor([x], dtype=torch.int32, device=dev) for x in (0, s, sk))
-    outs = []
-    for i in range(b):
-        if sk != s:  # queries are the last s positions over a cache of sk keys
-            kc, vc = k[i].contiguous(), v[i].contiguous()
-            outs.append(attention(q[i].contiguous(), kc, vc, table, zero, queries, keys, s, scale, 1))
-            continue
-        pos = position_ids[i if position_ids.shape[0] == b else 0] if position_ids is not None else None
-        bounds = segment_bounds(pos) if pos is not None else [(0, s)]
-        outs.append(packed_attention(q[i], k[i], v[i], bounds, scale))
-    return torch.stack(outs)
+    return attention(q.contiguous(), k.contiguous(), v.contiguous(), table, zero, queries, keys, s, scale, 1)
+
+
+# position_ids tensor -> (its version, one Packing per row). transformers hands every layer the
+# same position_ids object, so a packed forward reads the positions to the host (a device sync)
+# once instead of once per layer; the version check notices an in-place change.
+_PACKINGS = WeakTensorKeyDictionary()
+
+
+def _packings(position_ids: torch.Tensor) -> list[Packing]:
+    hit = _PACKINGS.get(position_ids)
+    if hit is not None and hit[0] == position_ids._version:
+        return hit[1]
+    rows = position_ids.view(-1, position_ids.shape[-1])
+    packings = [Packing.of(segment_bounds(row), position_ids.device) for row in rows]
+    _PACKINGS[position_ids] = (position_ids._version, packings)
+    return packings
 
 
 def samebits_mask(*args, attention_mask=None, **kwargs):
