@@ -3,9 +3,9 @@
 `batch_invariant()`'s sum and mean overrides reduce floating rows with `tree_sum_ref`: about
 log2(n) elementwise launches (plus a pad) per reduction. Transformers' RMSNorm takes such a
 mean four times a layer, so in the trainer's forward those launches were a large share of the
-host time (`benchmarks/trainer_profile.py`). `tree_sum` computes the same tree, padded with
--0.0 as `tree_sum_ref` pads, in one kernel; `tree_sum_block` is the tree itself, shared with
-the fused norms.
+host time (`benchmarks/trainer_profile.py`). `tree_sum` computes the same tree in one kernel,
+-0.0 results included (see `tree_sum_kernel`); `tree_sum_block` is the tree itself, shared
+with the fused norms. `reduce.tree_sum` picks it where it applies.
 """
 
 from __future__ import annotations
