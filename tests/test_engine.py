@@ -184,3 +184,44 @@ def test_fast_profile_runs_and_is_not_the_exact_numerics(tiny, llm):
     a, b = fast.generate(prompts, greedy), llm.generate(prompts, greedy)
     assert all(len(o.token_ids) == 12 for o in a)
     assert any(not torch.equal(x.logprobs[:1], y.logprobs[:1]) for x, y in zip(a, b, strict=True))
+
+
+def test_shared_weights_are_the_given_tensors_and_give_the_same_bits(tiny):
+    from samebits.model.loader import load_state_dict
+
+    _, state = load_state_dict(tiny, dtype=torch.bfloat16)
+    kw = dict(max_num_seqs=2, max_model_len=64)
+    shared = LLM(tiny, weights=state.items(), **kw)
+    assert all(shared._params[n].data_ptr() == t.data_ptr() for n, t in state.items())  # no copy
+    params = SamplingParams(max_tokens=8, seed=2)
+    want = LLM(tiny, **kw).generate([[3, 4, 5]], params)[0]
+    got = shared.generate([[3, 4, 5]], params)[0]
+    assert got.token_ids == want.token_ids and torch.equal(got.logprobs, want.logprobs)
+    with torch.no_grad():  # a change to the owner's tensor is in the engine at once
+        state["lm_head.weight"].mul_(2)
+    changed = shared.generate([[3, 4, 5]], params)[0]
+    assert not torch.equal(changed.logprobs, want.logprobs)
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda s: s.pop("model.norm.weight"), "missing"),
+        (lambda s: s.update(extra=torch.zeros(2, dtype=torch.bfloat16)), "unexpected"),
+        (lambda s: s.update({"model.norm.weight": s["model.norm.weight"][:-1]}), "mis-shaped"),
+        (lambda s: s.update({"model.norm.weight": s["model.norm.weight"].float()}), "is torch.float32"),
+        (
+            lambda s: s.update(
+                {"model.embed_tokens.weight": s["model.embed_tokens.weight"].t().contiguous().t()}
+            ),
+            "contiguous",
+        ),
+    ],
+)
+def test_shared_weights_that_do_not_fit_are_refused_by_name(tiny, edit, match):
+    from samebits.model.loader import load_state_dict
+
+    _, state = load_state_dict(tiny, dtype=torch.bfloat16)
+    edit(state)
+    with pytest.raises(ValueError, match=match):
+        LLM(tiny, weights=state.items(), max_num_seqs=2, max_model_len=64)

@@ -96,6 +96,21 @@ def test_stock_baseline_reaches_engine_and_trainer(tiny):
     assert row["rollout_logprobs_mismatch_count"] > 0 and row["digest_mismatch_count"] == 0
 
 
+def test_shared_weights_keep_one_copy_and_run_the_synced_loop_bit_for_bit(tiny):
+    shared = RLLoop(_cfg(tiny, share_weights=True))
+    engine = dict(shared.llm.model.named_parameters(remove_duplicate=False))
+    owner = dict(shared.model.named_parameters(remove_duplicate=False))
+    assert engine.keys() == owner.keys()
+    assert all(engine[n].data_ptr() == owner[n].data_ptr() for n in engine)  # one copy of the model
+    synced = RLLoop(_cfg(tiny))
+    for _ in range(3):  # the optimizer steps reach the engine with no copy, and the same bits
+        a, b = shared.step(), synced.step()
+        assert _untimed(a) == _untimed(b) and all(a[k] == 0 for k in BITWISE)
+    # negative control: shared weights under stock trainer experts still mismatch
+    neg = RLLoop(_cfg(tiny, share_weights=True, trainer_experts="grouped_mm")).step()
+    assert neg["rollout_logprobs_mismatch_count"] > 0
+
+
 def test_freezing_the_experts_keeps_them_and_syncs_the_rest(tiny):
     loop = RLLoop(_cfg(tiny, freeze=("experts",)))
     before = _trainer_digests(loop)
@@ -321,6 +336,7 @@ def test_micro_batches_respect_the_budget_and_cover_every_sequence():
         (dict(trainer_attention="flash"), "trainer_attention must be one of"),
         (dict(engine_numerics="turbo"), "engine_numerics must be one of"),
         (dict(recompute_kernels="cublas"), "recompute_kernels must be one of"),
+        (dict(share_weights="yes"), "share_weights must be True or False"),
         (dict(freeze="experts"), "freeze must be a tuple"),
         (dict(reward="nomodule"), "reward must be 'toy', 'hash' or 'module:function'"),
         (dict(clip_eps=0), "clip_eps must be a finite number > 0"),

@@ -112,6 +112,7 @@ def _rl_config(args):
         trainer_attention=args.trainer_attention,
         recompute_kernels=args.recompute_kernels,
         digest_tensors=None if args.digest == "all" else tuple(args.digest.split(",")),
+        share_weights=args.share_weights,
         out_dir=args.out,
     )
 
@@ -185,6 +186,11 @@ def _add_rl(sub) -> None:
         help="trainer attention implementation; sdpa is part of the stock baseline",
     )
     r.add_argument("--digest", default="all", help="'all' or comma-separated parameter names to digest")
+    r.add_argument(
+        "--share-weights",
+        action="store_true",
+        help="the engine runs on the trainer's own parameter tensors: one copy of the model on the device",
+    )
     r.add_argument(
         "--out",
         default="runs/rl",

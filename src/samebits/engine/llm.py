@@ -21,7 +21,7 @@ from samebits.engine.sampling_params import SamplingParams
 from samebits.engine.scheduler import Scheduler
 from samebits.engine.sequence import Sequence as Seq
 from samebits.model.config import ModelConfig
-from samebits.model.loader import load_state_dict
+from samebits.model.loader import load_state_dict, shared_state_dict
 from samebits.model.omni_config import is_omni_checkpoint
 from samebits.model.qwen3_moe import Qwen3MoeForCausalLM
 from samebits.numerics.ops import rotary_inv_freq
@@ -107,7 +107,17 @@ class LLM:
     >>> outs = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, seed=0))
     """
 
-    def __init__(self, model: str | Path, **engine_kwargs):
+    def __init__(
+        self, model: str | Path, *, weights: Iterable[tuple[str, torch.Tensor]] | None = None, **engine_kwargs
+    ):
+        """`model`: the checkpoint directory (config and, unless `weights` is given, weights).
+
+        `weights`: (HF name, tensor) pairs the engine takes as its parameters instead of
+        reading the checkpoint's, sharing their storage (no copy): a trainer colocated on the
+        same device passes its own parameters, so one copy of the model serves both and every
+        optimizer step is in the engine at once. Names and shapes are checked against the
+        config; each tensor must be contiguous, of the engine's dtype and on its device.
+        """
         self.engine = EngineConfig(**engine_kwargs)
         dtype = self.engine.torch_dtype
         self.path = Path(model)
@@ -117,8 +127,13 @@ class LLM:
 
             if self.engine.numerics != "exact":
                 raise ValueError(f"numerics {self.engine.numerics!r}: the Qwen3-Omni thinker runs 'exact' only")
+            if weights is not None:
+                raise ValueError("weights=: shared weights are not supported for the Qwen3-Omni thinker")
             self.omni = OmniFrontend(self.path, dtype, self.engine.device)
             self.config, state = self.omni.config.text, None
+        elif weights is not None:
+            self.config = ModelConfig.from_pretrained(self.path)
+            state = shared_state_dict(self.config, weights, dtype, self.engine.device)
         else:
             self.config, state = load_state_dict(self.path, dtype=dtype, device=self.engine.device)
         if self.engine.max_model_len > self.config.max_position_embeddings:

@@ -107,6 +107,33 @@ def load_state_dict(
     return cfg, state
 
 
+def shared_state_dict(
+    cfg: ModelConfig, named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: str
+) -> dict[str, torch.Tensor]:
+    """An engine state made of tensors it will share, not copy (a colocated trainer's own
+    parameters). Checked like a checkpoint (every name and shape against `cfg`); each tensor
+    must already be a dense, contiguous `dtype` tensor on `device`. Returned detached: the
+    same storage, but nothing the engine sets on its parameters reaches the given objects."""
+    state = {}
+    for name, t in named_tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"shared weights: {name} is a {type(t).__name__}, not a tensor")
+        state[name] = t
+    try:
+        _check_names_and_shapes(cfg, state, expected_shapes(cfg))
+    except UnsupportedCheckpointError as e:
+        raise ValueError(f"shared weights do not match the checkpoint's config.json: {e}") from None
+    want = torch.device(device)
+    for name, t in state.items():
+        if t.is_meta or t.layout != torch.strided or hasattr(t, "device_mesh") or not t.is_contiguous():
+            raise ValueError(f"shared weights: {name} must be a plain, dense, contiguous tensor with data")
+        if t.dtype != dtype:
+            raise ValueError(f"shared weights: {name} is {t.dtype}, but the engine runs {dtype}")
+        if t.device.type != want.type or (want.index is not None and t.device.index != want.index):
+            raise ValueError(f"shared weights: {name} is on {t.device}, but the engine runs on {want}")
+    return {name: t.detach() for name, t in state.items()}
+
+
 def _weight_files(path: Path) -> list[Path]:
     """The safetensors files, in the order transformers looks for them."""
     if (path / SINGLE_FILE).is_file():

@@ -66,6 +66,9 @@ class RLConfig:
     trainer_attention: str = "samebits"
     recompute_kernels: str = "batch_invariant"
     digest_tensors: tuple[str, ...] | None = None  # None: every parameter
+    # the engine's parameters are the trainer's tensors (one copy of the model on the device);
+    # the sync then has nothing to copy and the digests compare one memory with itself
+    share_weights: bool = False
     out_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -98,6 +101,8 @@ class RLConfig:
             isinstance(self.digest_tensors, str) or not all(isinstance(d, str) for d in self.digest_tensors)
         ):
             raise ValueError(f"digest_tensors must be None or a tuple of names, got {self.digest_tensors!r}")
+        if not isinstance(self.share_weights, bool):
+            raise ValueError(f"share_weights must be True or False, got {self.share_weights!r}")
         if self.reward not in ("toy", "hash") and self.reward.count(":") != 1:
             raise ValueError(f"reward must be 'toy', 'hash' or 'module:function', got {self.reward!r}")
 

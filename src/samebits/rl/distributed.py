@@ -70,6 +70,11 @@ class DistributedRLLoop:
             raise ValueError(
                 f"mini_batches ({config.mini_batches}) must be <= sequences per rank ({self.local_seqs})"
             )
+        if config.share_weights:
+            raise ValueError(
+                "share_weights: the distributed trainer holds float32 shards, which the engine "
+                "cannot share; each rank keeps its replica and syncs it"
+            )
         self.config = config = replace(config, device=device)
         self.dtype = DTYPES[config.dtype]
         self.path = _model_path(config)

@@ -38,20 +38,22 @@ class RLLoop:
         self.config = config
         self.path = _model_path(config)
         self.reward_fn = load_reward(config.reward)
-        self.llm = LLM(
-            self.path,
-            device=config.device,
-            dtype=config.dtype,
-            max_num_seqs=config.num_sequences,
-            max_model_len=config.max_model_len,
-            numerics=config.engine_numerics,
-        )
         self.model = trainer.load_hf_model(
             self.path,
             device=config.device,
             dtype=DTYPES[config.dtype],
             experts_implementation=config.trainer_experts,
             attn_implementation=config.trainer_attention,
+        )
+        shared = self.model.named_parameters(remove_duplicate=False) if config.share_weights else None
+        self.llm = LLM(
+            self.path,
+            weights=shared,
+            device=config.device,
+            dtype=config.dtype,
+            max_num_seqs=config.num_sequences,
+            max_model_len=config.max_model_len,
+            numerics=config.engine_numerics,
         )
         self.trainable = _freeze(self.model, config.freeze_patterns())
         self.optimizer = torch.optim.AdamW(
@@ -154,7 +156,10 @@ class RLLoop:
 
     def sync_weights(self, names: list[str] | None = None) -> None:
         """Stream the trainer's tensors into the engine, one at a time (no staged state dict).
-        names=None: the trainable ones (frozen ones cannot have changed)."""
+        names=None: the trainable ones (frozen ones cannot have changed). With shared weights
+        the engine's parameters are the trainer's: nothing to copy."""
+        if self.config.share_weights:
+            return
         params = dict(self.model.named_parameters())
         chosen = [n for n, _ in self.trainable] if names is None else names
         self.llm.update_weights((n, params[n].detach()) for n in chosen)
