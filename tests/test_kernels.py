@@ -34,6 +34,30 @@ def test_tree_sum_is_independent_of_padding_width():
     assert torch.signbit(tree_sum_ref(z, -1)).all()
 
 
+def _padded_tree(x, dim):
+    """The halving tree over x padded with -0.0 to a power of two, pads built (the oracle)."""
+    x = x.movedim(dim, -1)
+    width = 1 << max(x.shape[-1] - 1, 0).bit_length()
+    x = torch.cat([x, x.new_full((*x.shape[:-1], width - x.shape[-1]), -0.0)], dim=-1)
+    while x.shape[-1] > 1:
+        x = x[..., : x.shape[-1] // 2] + x[..., x.shape[-1] // 2 :]
+    return x.squeeze(-1)
+
+
+@pytest.mark.parametrize("dtype,bits", [(torch.float32, torch.int32), (torch.bfloat16, torch.int16)])
+def test_tree_sum_builds_no_pads_and_gives_the_padded_trees_bits(dtype, bits):
+    for n in [*range(1, 70), 96, 129, 3000, 151936]:
+        x = (torch.randn(3, n, generator=_g(n)) * torch.logspace(-4, 4, n)).to(dtype)
+        x[0] = -0.0  # the one sum whose sign depends on the pads
+        for dim in (-1, 0):
+            got, want = tree_sum_ref(x, dim), _padded_tree(x, dim)
+            assert torch.equal(got.view(bits), want.view(bits)), (n, dim)
+    # negative control: +0.0 pads give the all -0.0 row another sign bit, and the check sees it
+    z = torch.full((1, 24), -0.0, dtype=dtype)
+    plus = torch.cat([z, torch.zeros(1, 8, dtype=dtype)], dim=-1)
+    assert not torch.equal(_padded_tree(plus, -1).view(bits), tree_sum_ref(z, -1).view(bits))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k,n", [(40, 56), (96, 384), (160, 96)])
 def test_matmul_row_alone_equals_row_in_batch(dtype, k, n):

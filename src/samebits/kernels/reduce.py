@@ -14,17 +14,27 @@ import torch
 
 
 def tree_sum_ref(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
-    """Sum over `dim` in a fixed pairwise order, in x's dtype."""
+    """Sum over `dim` in a fixed pairwise order, in x's dtype.
+
+    The order is the halving tree of x padded with -0.0 to a power of two; the pads are
+    never built: adding -0.0 leaves every value as it is, so where a half meets pads only
+    the real half is kept (a vocabulary row of 151936 would otherwise pad to 262144).
+    """
     x = x.movedim(dim, -1)
     n = x.shape[-1]
-    width = 1 << max(n - 1, 0).bit_length()
-    if width != n:
-        pad = x.new_full((*x.shape[:-1], width - n), -0.0)
-        x = torch.cat([x, pad], dim=-1)
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    out = x.squeeze(-1) if n > 0 else x.new_zeros(x.shape[:-1])
+    if n == 0:
+        out = x.new_zeros(x.shape[:-1])
+    else:
+        while n > 1:
+            half = 1 << (n - 1).bit_length() - 1  # half the padded width
+            head, tail = x[..., :half], x[..., half:]  # tail: the n - half real elements past it
+            if n == 2 * half:
+                x = head + tail
+            else:
+                x = head.clone()
+                x[..., : n - half] += tail
+            n = half
+        out = x.squeeze(-1)
     if keepdim:
         out = out.unsqueeze(-1).movedim(-1, dim)
     return out
