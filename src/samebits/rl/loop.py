@@ -5,8 +5,9 @@ then sleeps (KV cache released) while the transformers model recomputes the old
 log-probs and takes its optimizer steps; the new weights stream into the engine
 tensor by tensor (`update_weights`, no staged copy) and the sha256 digests of both
 sides are compared. With `share_weights` the engine runs on the trainer's own tensors:
-one copy of the model, nothing to stream. A step that raises before the optimizer step (a failing reward,
-a bad rollout) changes nothing: no optimizer step, no sync, the step counter stays.
+one copy of the model, nothing to stream. A step that raises before the optimizer step
+(a failing reward, a bad rollout) changes nothing: no optimizer step, no sync, the step
+counter stays.
 """
 
 from __future__ import annotations
