@@ -221,8 +221,9 @@ def test_reward_spec_errors_name_the_missing_piece():
     assert rl.load_reward("math:fsum") is math.fsum
 
 
-def test_checkpoint_resume_continues_bitwise_like_an_uninterrupted_run(tiny, tmp_path):
-    cfg = _cfg(tiny)
+@pytest.mark.parametrize("shared", [False, True])
+def test_checkpoint_resume_continues_bitwise_like_an_uninterrupted_run(tiny, tmp_path, shared):
+    cfg = _cfg(tiny, share_weights=shared)
     straight = RLLoop(cfg)
     rows = [straight.step() for _ in range(3)]
 
