@@ -350,9 +350,10 @@ def save_tensor_stream(
 
 
 def _clear_weights(path: Path) -> None:
-    """Make `path`; remove an earlier save's weight files from it so the two cannot mix."""
+    """Make `path`; remove an earlier save's weight files (and an interrupted stream's
+    shards) from it so the two cannot mix."""
     path.mkdir(parents=True, exist_ok=True)
-    for old in [*path.glob("model*.safetensors"), path / INDEX_FILE]:
+    for old in [*path.glob("model*.safetensors"), *path.glob("shard-*.tmp"), path / INDEX_FILE]:
         old.unlink(missing_ok=True)
 
 
