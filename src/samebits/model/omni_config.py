@@ -14,8 +14,8 @@ import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from samebits.model import config as _c
-from samebits.model.config import ModelConfig, UnsupportedCheckpointError
+from samebits.model import config_files as _c
+from samebits.model.config import ModelConfig, UnsupportedCheckpointError, check_required
 
 OMNI_FULL = "Qwen3OmniMoeForConditionalGeneration"
 OMNI_THINKER = "Qwen3OmniMoeThinkerForConditionalGeneration"
@@ -92,7 +92,7 @@ class OmniConfig:
                                                  "supported; use the bf16 weights")  # fmt: skip
         text_hf = thinker.text_config
         with _prefixed(where + "text_config."):
-            _c.check_required(raw_thinker["text_config"])
+            check_required(raw_thinker["text_config"])
             text = ModelConfig.from_hf(
                 text_hf,
                 _c.eos_ids(text_hf.eos_token_id) if eos is None else eos,
