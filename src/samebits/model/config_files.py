@@ -67,7 +67,8 @@ def generation_eos(path: str | Path, config_eos, vocab_size: int) -> tuple[int, 
         gen = GenerationConfig.from_pretrained(str(path), local_files_only=True)
     with named(file):
         eos = eos_ids(gen.eos_token_id)
-        check_eos(eos, vocab_size)
+        if is_int(vocab_size) and vocab_size > 0:  # else config.json's vocab_size is refused by name
+            check_eos(eos, vocab_size)
     return eos
 
 
