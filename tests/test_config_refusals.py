@@ -16,6 +16,7 @@ from samebits.model.omni_config import OmniConfig
 from samebits.model.tiny_omni import build_tiny_omni_checkpoint
 
 CFG, GEN = "config.json", "generation_config.json"
+QWEN3_MOE = "Qwen3MoeForCausalLM"
 YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}
 MROPE_4_5 = {"mrope_section": [4, 5]}
 
@@ -50,6 +51,7 @@ QWEN3_MOE_CASES = [
     ("missing_model_type", CFG, _edit(_drop=["model_type"]), r"model_type is missing"),
     ("llama", CFG, _edit(model_type="llama", architectures=["LlamaForCausalLM"]), r"model_type 'llama'"),
     ("llama_architecture", CFG, _edit(architectures=["LlamaForCausalLM"]), r"architectures \['Llama"),
+    ("architectures_str", CFG, _edit(architectures=QWEN3_MOE), r"architectures is 'Qwen3MoeForCausalLM'"),
     ("classifier", CFG, _edit(architectures=["Qwen3MoeForSequenceClassification"]), r"architectures"),
     ("heads_zero", CFG, _edit(num_attention_heads=0, _drop=["head_dim"]), r"num_attention_heads is 0"),
     ("kv_heads_zero", CFG, _edit(num_key_value_heads=0), r"num_key_value_heads is 0"),
@@ -257,6 +259,11 @@ def test_omni_model_type_must_match_architectures(omni, tmp_path, layout):
     }
     path = _break(omni[layout], tmp_path / "mismatch", CFG, _edit(architectures=[other[layout]]))
     _assert_refused(check_checkpoint_config, path, CFG, r"architectures .* do not match model_type")
+
+
+def test_full_omni_without_thinker_config_refused(omni, tmp_path):
+    path = _break(omni["full"], tmp_path / "no_thinker", CFG, _edit(_drop=["thinker_config"]))
+    _assert_refused(check_checkpoint_config, path, CFG, r"thinker_config\.text_config is missing")
 
 
 @pytest.mark.parametrize("layout", ["thinker", "full"])

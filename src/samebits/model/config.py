@@ -151,7 +151,7 @@ def check_checkpoint_config(path: str | Path):
     UnsupportedCheckpointError naming the file and field (a missing or unreadable file, bad
     JSON, a missing or impossible field, an unsupported model type, rope or quantisation).
     """
-    from samebits.model.omni_config import OmniConfig, omni_model_type
+    from samebits.model.omni_config import OmniConfig, omni_model_type  # it imports this module
 
     raw = read_config_json(path)
     if omni_model_type(raw) is not None:
@@ -164,7 +164,7 @@ def check_checkpoint_config(path: str | Path):
 
 def _check_model_type(d: dict, default: str | None = None) -> None:
     """A Qwen3-MoE causal LM: model_type 'qwen3_moe' and, when listed, Qwen3MoeForCausalLM."""
-    archs = d.get("architectures") or []
+    archs = architectures(d)
     model_type = d.get("model_type", default)
     if model_type is None:
         raise UnsupportedCheckpointError(
@@ -175,6 +175,14 @@ def _check_model_type(d: dict, default: str | None = None) -> None:
             f"model_type {model_type!r} / architectures {archs} is not supported; "
             f"samebits runs {_SUPPORTED_TYPES}"
         )
+
+
+def architectures(d: dict) -> list[str]:
+    """config.json's `architectures` (a list of class names; absent or null: [])."""
+    archs = d.get("architectures") or []
+    if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise UnsupportedCheckpointError(f"architectures is {archs!r}; it must be a list of class names")
+    return archs
 
 
 def check_required(d: dict) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from samebits.model import config_files as _c
-from samebits.model.config import ModelConfig, UnsupportedCheckpointError, check_required
+from samebits.model.config import ModelConfig, UnsupportedCheckpointError, architectures, check_required
 
 OMNI_FULL = "Qwen3OmniMoeForConditionalGeneration"
 OMNI_THINKER = "Qwen3OmniMoeThinkerForConditionalGeneration"
@@ -165,7 +165,7 @@ def is_omni_checkpoint(path: str | Path) -> bool:
 
 def _check_omni_type(d: dict) -> None:
     """model_type names the Omni layout and architectures, when listed, agree with it."""
-    model_type, archs = d.get("model_type"), d.get("architectures") or []
+    model_type, archs = d.get("model_type"), architectures(d)
     if model_type not in _MODEL_TYPES:
         want = omni_model_type(d) or "qwen3_omni_moe"
         raise UnsupportedCheckpointError(
