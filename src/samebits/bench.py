@@ -26,6 +26,7 @@ from samebits.engine.scheduler import ScheduledBatch, ScheduledChunk
 from samebits.engine.sequence import Sequence
 from samebits.model.config import ModelConfig
 from samebits.numerics.profile import PROFILES
+from samebits.plotting import pyplot
 
 ARMS = ("exact", "fast", "hf", "trainer")
 QWEN3_30B_A3B = dict(
@@ -242,11 +243,9 @@ def write_outputs(rows: list[Row], trainer_rows: dict[str, float], out: Path, me
         "trainer_ms": trainer_rows,
     }
     (out / "bench.json").write_text(json.dumps(data, indent=2))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot(str(out / "bench.png"))
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for arm in dict.fromkeys(r.arm for r in rows):
         pts = [r for r in rows if r.arm == arm]

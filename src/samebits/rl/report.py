@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from samebits.plotting import pyplot
+
 COLUMNS = (  # (metric, header, format); every metric is in metrics.jsonl
     ("step", "step", "{}"),
     ("rollout_logprobs_mismatch_count", "rollout\nmism", "{}"),
@@ -73,12 +75,13 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def plot(rows: list[dict], path: Path) -> Path:
-    """Reward mean (± std) and both mismatch counts over steps, as a PNG (Agg backend)."""
-    import matplotlib
+def plot(rows: list[dict], path: Path) -> Path | None:
+    """Reward mean (± std) and both mismatch counts over steps, as a PNG (Agg backend).
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    None, with a message on stderr, when matplotlib (the `samebits[plot]` extra) is missing."""
+    plt = pyplot(str(path))
+    if plt is None:
+        return None
     from matplotlib.ticker import MaxNLocator
 
     steps = [r["step"] for r in rows]

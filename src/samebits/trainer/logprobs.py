@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoModelForCausalLM
 
+from samebits.model.config import check_checkpoint_config
 from samebits.numerics.ops import reported_logprobs, rotary_inv_freq
 
 
@@ -50,7 +51,10 @@ def check_rotary_inv_freq(model) -> None:
 
 
 def load_hf_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, **kwargs):
-    """A transformers model with samebits experts and attention, rotary checked."""
+    """A transformers model with samebits experts and attention, rotary checked.
+
+    The checkpoint's configs are refused first exactly as the engine refuses them."""
+    check_checkpoint_config(path)
     kwargs.setdefault("experts_implementation", "samebits")
     kwargs.setdefault("attn_implementation", "samebits")
     if torch.device(device).type == "cuda":  # straight to the GPU: no full copy in host memory

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from samebits.engine.multimodal import MultimodalPrompt, as_multimodal
+from samebits.model.config import check_checkpoint_config
 from samebits.model.omni import ENCODER_ATTENTION, reset_encoder_buffers
 from samebits.numerics.ops import reported_logprobs, rotary_inv_freq
 
@@ -26,6 +27,7 @@ def load_hf_thinker(path, device="cpu", dtype: torch.dtype = torch.bfloat16, **k
     experts and text attention; encoders on eager attention; rotary/sinusoid buffers from the CPU."""
     from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
 
+    check_checkpoint_config(path)  # refuse what the engine refuses, before any weight is read
     kwargs.setdefault("experts_implementation", "samebits")
     attn = kwargs.pop("attn_implementation", "samebits")
     if isinstance(attn, str):  # one text attention; encoders stay on the encoders' implementation
