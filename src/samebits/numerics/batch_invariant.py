@@ -12,19 +12,21 @@ CUDA are present, CUDA). Each checks the calling thread's flag (`numerics.scope`
 that is not inside the context gets the stock kernel (the kernel that was registered before,
 called as it was), so entering per step costs a counter, and other threads are untouched.
 
-| aten op                                   | inside `batch_invariant()`                            |
-|-------------------------------------------|-------------------------------------------------------|
-| mm, addmm (alpha=beta=1), bmm             | row-invariant GEMM (CPU `matmul_ref`, CUDA Triton)    |
-| mv, dot                                   | the same GEMM with N=1                                |
-| _softmax, _log_softmax                    | max, exp, tree sum over the dim (fp32)                |
-| sum.dim_IntList, mean.dim (any dims, all) | tree sum over the reduced dims flattened (fp32 if low)|
-| logsumexp                                 | max, exp, tree sum, log (aten's infinite-max rule)    |
-| var/std/var_mean/std_mean.correction      | two passes: tree mean, tree sum of squares            |
-| native_layer_norm                         | tree mean and variance, fp32, one rounding            |
-| convolution (not transposed)              | im2col + the row-invariant GEMM per group             |
-| sdpa, CPU fused kernel                    | the math path on the ops above                        |
-| sdpa, CUDA fused kernels (flash, efficient, cudnn) | stock, with a warning (see below)            |
-| baddbmm, addbmm, addmv, _addmm_activation, native_group_norm, nansum, linalg_vector_norm, transposed convolution | refused: `NotImplementedError` |
+| aten op                                     | inside `batch_invariant()`                          |
+|---------------------------------------------|-----------------------------------------------------|
+| mm, addmm (alpha=beta=1), bmm               | row-invariant GEMM (CPU `matmul_ref`, CUDA Triton)  |
+| mv, dot                                     | the same GEMM with N=1                              |
+| _softmax, _log_softmax                      | max, exp, tree sum over the dim (fp32)              |
+| sum.dim_IntList, mean.dim (any dims, all)   | tree sum over the reduced dims flattened (fp32)     |
+| logsumexp                                   | max, exp, tree sum, log (aten's infinite-max rule)  |
+| var, std, var_mean, std_mean (.correction)  | two passes: tree mean, tree sum of squares          |
+| native_layer_norm                           | tree mean and variance, fp32, one rounding          |
+| convolution (not transposed)                | im2col + the row-invariant GEMM per group           |
+| sdpa: CPU fused kernel                      | the math path on the ops above                      |
+| sdpa: CUDA flash, efficient, cudnn kernels  | stock, with a one-time warning (see below)          |
+| baddbmm, addbmm, addmv, _addmm_activation   | refused: `NotImplementedError` naming the op        |
+| native_group_norm, nansum                   | refused                                             |
+| linalg_vector_norm, transposed convolution  | refused                                             |
 
 Integer and bool sums keep the stock kernel (exact in any order). Ops not in the table
 are elementwise, order-exact (max, min, argmax, topk) or per-row scans (cumsum).

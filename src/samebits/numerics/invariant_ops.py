@@ -157,7 +157,7 @@ class Covered:
             y = y + bias.float()
         # mean/rstd in the dtype aten returns them (autograd's backward reads them)
         mixed = x.dtype in _LOW and weight is not None and weight.dtype == torch.float32
-        stat = torch.float32 if (x.is_cuda and x.dtype in _LOW) or mixed else x.dtype
+        stat = torch.float32 if (self.device == "cuda" and x.dtype in _LOW) or mixed else x.dtype
         return y.to(x.dtype), mean.to(stat), rstd.to(stat)
 
     # -- convolution and attention ----------------------------------------------------------------
@@ -206,7 +206,9 @@ class Covered:
         lse = torch.logsumexp(s, -1)
         out = torch.matmul(torch.softmax(s, -1).to(v.dtype), v)
         # the fused kernel's layouts: out [B, L, H, E] and lse [B, L, H] in memory
-        return out.transpose(1, 2).contiguous().transpose(1, 2), lse.transpose(1, 2).contiguous().transpose(1, 2)
+        return out.transpose(1, 2).contiguous().transpose(1, 2), lse.transpose(1, 2).contiguous().transpose(
+            1, 2
+        )
 
 
 def covered(device: str) -> dict[str, object]:
