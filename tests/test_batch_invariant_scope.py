@@ -246,3 +246,56 @@ def test_full_sum_and_mean_are_one_tree_over_all_elements():
     want = tree_sum_ref(x.reshape(-1), -1)
     assert torch.equal(total, want) and torch.equal(mean, want / x.numel())
     assert not torch.equal(x.sum(), total)  # control: the stock full sum has other bits here
+
+
+# -- CUDA (run by the lead on the H200: pytest -m gpu) --------------------------------------------
+
+
+def _cuda_ops():
+    w, lw, lb, cw = (t.cuda() for t in (W, LN_W, LN_B, CONV_W))
+    cb = torch.linspace(-1, 1, 8, device="cuda")
+    return {
+        "mm (linear)": lambda x: F.linear(x, w),
+        "sum over two dims": lambda x: x.sum((1, 2)),
+        "logsumexp": lambda x: torch.logsumexp(x, -1),
+        "var": lambda x: torch.var(x, -1),
+        "layer_norm": lambda x: F.layer_norm(x, (40,), lw, lb),
+        "conv2d": lambda x: F.conv2d(x, cw, cb, stride=2, padding=1),
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "name", ["mm (linear)", "sum over two dims", "logsumexp", "var", "layer_norm", "conv2d"]
+)
+def test_covered_op_on_cuda_is_row_invariant(name):
+    x, fn = COVERED[name][0].cuda(), _cuda_ops()[name]
+    with batch_invariant():
+        batch = fn(x)
+        alone = _rows_alone(fn, x)
+    assert all(torch.equal(a, batch[i]) for i, a in enumerate(alone))
+    differs = [not torch.equal(a, b) for a, b in zip(_rows_alone(fn, x), alone, strict=True)]
+    assert not torch.equal(fn(x), batch) or any(differs)  # control: stock CUDA kernels give other bits
+
+
+@pytest.mark.gpu
+def test_cuda_thread_that_did_not_enter_gets_cublas():
+    a = torch.randn(8, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(0)).bfloat16()
+    b = torch.randn(2048, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).bfloat16()
+    seen = {}
+    inside, done = threading.Event(), threading.Event()
+
+    def other():
+        inside.wait(timeout=60)
+        seen["mm"], seen["active"] = torch.mm(a, b), is_active()
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with batch_invariant():
+        inside.set()
+        assert done.wait(timeout=60)
+        mine = torch.mm(a, b)
+    t.join(timeout=60)
+    stock = torch.ops.aten.mm.out(a, b, out=torch.empty_like(mine))
+    assert seen["active"] is False and torch.equal(seen["mm"], stock) and not torch.equal(mine, stock)
