@@ -8,6 +8,7 @@ import inspect
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -152,3 +153,22 @@ def test_no_device_branch_outside_the_registry():
     ]:
         if path.name != "registry.py":
             assert ".is_cuda" not in path.read_text(), path.name
+
+
+def test_set_numerics_switches_the_profile_through_the_public_api(tiny):
+    from samebits import LLM, SamplingParams
+    from samebits.verify import make_prompts
+
+    llm = LLM(tiny, max_num_seqs=4, max_model_len=96)
+    prompts = make_prompts((30, 5, 47, 12), llm.config.vocab_size, seed=3)
+    greedy = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * len(prompts)
+    exact = llm.generate(prompts, greedy)
+    llm.set_numerics("fast")
+    fast = llm.generate(prompts, greedy)
+    # the fast profile runs other kernels: other log-prob bits (the first token: same prefix)
+    assert any(not torch.equal(a.logprobs[:1], b.logprobs[:1]) for a, b in zip(exact, fast, strict=True))
+    llm.set_numerics("exact")
+    again = llm.generate(prompts, greedy)
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(exact, again, strict=True))
+    with pytest.raises(ValueError, match="numerics must be one of"):
+        llm.set_numerics("quick")
