@@ -37,9 +37,10 @@ def main() -> None:
 
     t0 = time.time()
     if args.composite_norms:
-        from samebits.numerics import ops
+        from samebits.numerics import composite, registry
 
-        ops.FUSED_EXACT["rms_norm"] = False
+        registry.TABLE["rms_norm"]["cuda"]["exact"] = composite.rms_norm  # the table is the one switch
+        registry.TABLE["add_rms_norm"]["cuda"]["exact"] = composite.add_rms_norm
     reuse = args.reuse and (Path(args.dir) / "config.json").is_file()
     path = Path(args.dir) if reuse else write_random_checkpoint(Path(args.dir), args.layers, args.seed)
     print(f"checkpoint: {args.layers} layers at {path} in {time.time() - t0:.0f} s", flush=True)

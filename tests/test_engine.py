@@ -180,7 +180,7 @@ def test_fast_profile_runs_and_is_not_the_exact_numerics(tiny, llm):
     prompts, params = _requests(llm.config.vocab_size)
     greedy = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * len(prompts)
     fast = LLM(tiny, max_num_seqs=4, max_model_len=128, numerics="fast")
-    assert fast.model.profile.name == "fast"
+    assert fast.runner.profile.name == "fast"
     a, b = fast.generate(prompts, greedy), llm.generate(prompts, greedy)
     assert all(len(o.token_ids) == 12 for o in a)
     assert any(not torch.equal(x.logprobs[:1], y.logprobs[:1]) for x, y in zip(a, b, strict=True))

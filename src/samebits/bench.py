@@ -149,18 +149,6 @@ def engine_step_ms(llm, batch: int, context: int, steps: int = 20) -> float:
             llm.block_manager.free(s)
 
 
-def use_profile(llm, name: str) -> None:
-    """Switch a built engine's numerics profile in place (bench only: one copy of the weights)."""
-    profile = PROFILES[name]
-    llm.model.profile = profile
-    for m in llm.model.modules():
-        if hasattr(m, "impl"):
-            m.impl = profile.experts
-    llm.runner.profile = profile
-    if llm.runner.graphs is not None:
-        llm.runner.graphs.reset()
-
-
 def hf_generate_step_ms(model, batch: int, context: int, new: int = 16) -> float:
     """transformers `generate` decode step time, its prefill removed."""
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=model.device)
@@ -288,7 +276,7 @@ def run(
         cfg = llm.config
         log(f"engine built in {time.perf_counter() - t0:.0f} s")
         for arm in engine_arms:
-            use_profile(llm, arm)
+            llm.set_numerics(arm)
             for b in batches:
                 ms = engine_step_ms(llm, b, context, steps)
                 rows.append(Row(arm, b, context, ms, 1000 * b / ms, 1000 * step_bytes(cfg, b, context) / bw))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import random
@@ -143,7 +144,7 @@ class LLM:
             )
         profile = PROFILES[self.engine.numerics]
         device = self.engine.device
-        self.model = self.omni.model if self.omni else _build_model(self.config, state, device, profile)
+        self.model = self.omni.model if self.omni else _build_model(self.config, state, device)
         del state
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         num_blocks = self.engine.resolved_num_blocks()
@@ -156,6 +157,7 @@ class LLM:
             dtype,
             graph_sizes=self.engine.graph_sizes() if self.omni is None else (),  # Omni decode: eager
             max_model_len=self.engine.max_model_len,
+            profile=profile,
         )
         self.block_manager = BlockManager(num_blocks, self.engine.block_size)
         self.scheduler = Scheduler(
@@ -330,6 +332,21 @@ class LLM:
         self.runner.allocate_kv_cache()
         self.asleep = False
 
+    def set_numerics(self, numerics: str) -> None:
+        """Switch the numerics profile ("exact" or "fast") of this engine, weights kept.
+
+        Takes effect from the next step; captured CUDA graphs are dropped (they hold the old
+        profile's kernels) and captured again on use.
+        """
+        if numerics not in PROFILES:
+            raise ValueError(f"numerics must be one of {tuple(PROFILES)}, got {numerics!r}")
+        if self.omni is not None and numerics != "exact":
+            raise ValueError(f"numerics {numerics!r}: the Qwen3-Omni thinker runs 'exact' only")
+        self.engine = dataclasses.replace(self.engine, numerics=numerics)
+        self.runner.profile = PROFILES[numerics]
+        if self.runner.graphs is not None:
+            self.runner.graphs.reset()
+
     # -- weights ----------------------------------------------------------------------------
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -378,7 +395,7 @@ def _check_device(device: str) -> None:
         return
     if dev.type != "cuda":
         raise ValueError(f"device {device!r} is not supported: use 'cpu' or 'cuda'")
-    from samebits.numerics.batch_invariant import triton_available
+    from samebits.numerics.registry import triton_available
 
     if not triton_available():
         raise ValueError(f"device {device!r} needs CUDA and Triton, which this machine lacks")
@@ -393,9 +410,9 @@ def _omni_runner():
     return OmniModelRunner
 
 
-def _build_model(cfg: ModelConfig, state: dict, device: str, profile) -> Qwen3MoeForCausalLM:
+def _build_model(cfg: ModelConfig, state: dict, device: str) -> Qwen3MoeForCausalLM:
     with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(cfg, profile)
+        model = Qwen3MoeForCausalLM(cfg)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -15,7 +15,7 @@ from samebits.engine.sampler import SampleRequest, sample
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.model.attention import PagedAttentionMetadata
 from samebits.model.config import ModelConfig
-from samebits.numerics.profile import EXACT
+from samebits.numerics.profile import EXACT, Profile
 
 
 class ModelRunner:
@@ -29,9 +29,10 @@ class ModelRunner:
         dtype,
         graph_sizes: tuple[int, ...] = (),
         max_model_len: int = 0,
+        profile: Profile = EXACT,
     ):
         self.model = model
-        self.profile = getattr(model, "profile", EXACT)
+        self.profile = profile  # entered around each step: selects the ops' implementations
         self.cfg = cfg
         self.block_size = block_size
         self.device = torch.device(device)

@@ -7,8 +7,13 @@ activation dtype as transformers does; the down projection stays in fp32, is
 weighted in fp32 and the top-k slots are summed in fp32 by a fixed pairwise
 tree, rounded once at the end: what a fused GPU kernel does, and one rounding
 fewer than transformers' `grouped_mm` path (which is why that path is the
-negative control). Built from differentiable torch ops, so the
-trainer trains through it.
+negative control). `experts_ref` is a forward kernel (`matmul_ref` has no
+backward); `linear=F.linear` inside `batch_invariant()` gives the same bits through
+differentiable ops, which is how the `samebits::experts` op's backward recomputes it.
+
+`experts_stock_ref` and `experts_grouped_mm` are the stock twins (the fast profile):
+a per-expert `F.linear` loop and `torch._grouped_mm` (CUDA). The choice between them
+all is made in `samebits.numerics.registry`, never here.
 
 Shapes: T = tokens, K = top-k, E = experts, H = hidden, I = expert intermediate.
 """
@@ -20,8 +25,15 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from samebits.kernels.matmul import matmul_ref
 from samebits.kernels.reduce import tree_sum_ref
-from samebits.numerics.batch_invariant import batch_invariant
+
+Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [n, in], w [out, in]) -> [n, out]
+
+
+def linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, w)` through `matmul_ref`: the call the batch_invariant mm override makes."""
+    return matmul_ref(x, w.t())
 
 
 def experts_ref(
@@ -31,6 +43,7 @@ def experts_ref(
     gate_up_proj: torch.Tensor,  # [E, 2I, H], [gate; up] on dim 1
     down_proj: torch.Tensor,  # [E, H, I]
     act_fn: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+    linear: Linear = linear_ref,
 ) -> torch.Tensor:
     """Sum over k of `weight_k * down_e(act(gate_e(x)) * up_e(x))`, e = top_k_index[t, k] -> [T, H]."""
     if top_k_index.shape != top_k_weights.shape or hidden_states.shape[0] != top_k_index.shape[0]:
@@ -45,17 +58,15 @@ def experts_ref(
     flat = top_k_index.reshape(-1)  # [T*K]
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=gate_up_proj.shape[0]).tolist()
-    outs = []
-    with batch_invariant():
-        start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = hidden_states[order[start : start + count] // k]
-            gate, up = F.linear(rows, gate_up_proj[e]).chunk(2, dim=-1)
-            hidden = act_fn(gate) * up  # [n, I] activation dtype
-            outs.append(F.linear(hidden.float(), down_proj[e].float()))  # [n, H] fp32
-            start += count
+    outs, start = [], 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = hidden_states[order[start : start + count] // k]
+        gate, up = linear(rows, gate_up_proj[e]).chunk(2, dim=-1)
+        hidden = act_fn(gate) * up  # [n, I] activation dtype
+        outs.append(linear(hidden.float(), down_proj[e].float()))  # [n, H] fp32
+        start += count
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     per_slot = torch.cat(outs, dim=0)[inverse].view(t, k, h)  # [T, K, H] fp32
@@ -63,55 +74,49 @@ def experts_ref(
     return tree_sum_ref(weighted, dim=1).to(hidden_states.dtype)
 
 
-def experts(
+def experts_stock_ref(
     hidden_states: torch.Tensor,  # [T, H]
     top_k_index: torch.Tensor,  # [T, K]
     top_k_weights: torch.Tensor,  # [T, K]
     gate_up_proj: torch.Tensor,  # [E, 2I, H]
     down_proj: torch.Tensor,  # [E, H, I]
-    act_fn: Callable[[torch.Tensor], torch.Tensor] = F.silu,
 ) -> torch.Tensor:
-    """samebits' experts on the tensors' device: the fused Triton kernels on CUDA (SiLU
-    only), `experts_ref` elsewhere. Engine and trainer both call this one function."""
-    if hidden_states.is_cuda:
-        if not _is_silu(act_fn):
-            raise NotImplementedError(f"samebits' CUDA experts support SiLU only, got {act_fn!r}")
-        from samebits.kernels.experts_triton import experts as experts_cuda
-
-        return experts_cuda(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
-    return experts_ref(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act_fn)
-
-
-def _is_silu(fn) -> bool:
-    return fn is F.silu or isinstance(fn, torch.nn.SiLU) or type(fn).__name__ == "SiLUActivation"
-
-
-def experts_stock(
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-) -> torch.Tensor:
-    """The same function in stock torch kernels (`torch._grouped_mm` on CUDA): fast, not
-    batch invariant. The `fast` profile, and the backward of samebits' CUDA experts."""
-    t, k = top_k_index.shape
+    """The same function in stock torch kernels, one `F.linear` pair per expert: fast where
+    `torch._grouped_mm` is missing, not batch invariant (the fast profile on the CPU)."""
     order, offsets = route(top_k_index, gate_up_proj.shape[0])
     order = order.long()
-    rows = hidden_states[order // k]  # [N, H] sorted by expert
-    if hidden_states.is_cuda:
-        offs = offsets[1:]
-        gate, up = torch._grouped_mm(rows, gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs=offs).float()
-    else:
-        outs, start = [], 0
-        for e, n in enumerate((offsets[1:] - offsets[:-1]).tolist()):
-            gate, up = F.linear(rows[start : start + n], gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, down_proj[e]).float())
-            start += n
-        y = torch.cat(outs)
+    rows = hidden_states[order // top_k_index.shape[1]]  # [N, H] sorted by expert
+    outs, start = [], 0
+    for e, n in enumerate((offsets[1:] - offsets[:-1]).tolist()):
+        gate, up = F.linear(rows[start : start + n], gate_up_proj[e]).chunk(2, dim=-1)
+        outs.append(F.linear(F.silu(gate) * up, down_proj[e]).float())
+        start += n
+    return _weighted_sum(torch.cat(outs), order, top_k_weights, hidden_states.dtype)
+
+
+def experts_grouped_mm(
+    hidden_states: torch.Tensor,  # [T, H]
+    top_k_index: torch.Tensor,  # [T, K]
+    top_k_weights: torch.Tensor,  # [T, K]
+    gate_up_proj: torch.Tensor,  # [E, 2I, H]
+    down_proj: torch.Tensor,  # [E, H, I]
+) -> torch.Tensor:
+    """`experts_stock_ref` on `torch._grouped_mm` (CUDA): what transformers' `grouped_mm` runs.
+    The fast profile on CUDA, and the differentiable recompute behind the Triton experts' backward."""
+    order, offsets = route(top_k_index, gate_up_proj.shape[0])
+    order = order.long()
+    rows = hidden_states[order // top_k_index.shape[1]]  # [N, H] sorted by expert
+    offs = offsets[1:]
+    gate, up = torch._grouped_mm(rows, gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(1, 2), offs=offs).float()
+    return _weighted_sum(y, order, top_k_weights, hidden_states.dtype)
+
+
+def _weighted_sum(y, order, top_k_weights, dtype) -> torch.Tensor:
+    """y [N, H] fp32 in expert order -> sum over k of weight * y, stock `sum` -> [T, H] in dtype."""
+    t, k = top_k_weights.shape
     per_slot = torch.zeros_like(y).index_copy(0, order, y)
-    return (per_slot.view(t, k, -1) * top_k_weights.float().unsqueeze(-1)).sum(1).to(hidden_states.dtype)
+    return (per_slot.view(t, k, -1) * top_k_weights.float().unsqueeze(-1)).sum(1).to(dtype)
 
 
 def route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,10 +13,11 @@ split-K: a row's bits depend on its own token and weights alone. Expert weights
 are read in place in the transformers layout: gate_up_proj [E, 2I, H] ([gate;
 up] on dim 1), down_proj [E, H, I].
 
-The backward recomputes the expert forward with stock differentiable torch ops
-(`torch._grouped_mm` where the GPU has it) and differentiates that: gradients
-reach the hidden states, the routing weights and both expert weights. Only the
-forward carries the bitwise contract.
+This module is the forward only. The `samebits::experts` op
+(`samebits.numerics.ops`) gives it a backward that recomputes the expert forward
+with `experts.experts_grouped_mm` and differentiates that: gradients reach the
+hidden states, the routing weights and both expert weights. Only the forward
+carries the bitwise contract.
 
 Shapes: T = tokens, K = top-k, N = T*K pairs, E = experts, H = hidden,
 I = expert intermediate.
@@ -211,41 +212,3 @@ def _check(x, index, weights, gate_up, down) -> None:
         raise ValueError("experts (Triton): hidden and expert weights must be contiguous in their last dim")
     if not weights.is_contiguous():
         raise ValueError("experts (Triton): top_k_weights must be contiguous")
-
-
-class _Experts(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, index, weights, gate_up, down):
-        ctx.save_for_backward(x, index, weights, gate_up, down)
-        return experts_forward(x, index, weights, gate_up, down)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, index, weights, gate_up, down = ctx.saved_tensors
-        from samebits.kernels.experts import experts_stock
-
-        needs = ctx.needs_input_grad
-        with torch.enable_grad():
-            wants = (needs[0], needs[2], needs[3], needs[4])
-            tensors = (x, weights, gate_up, down)
-            inputs = [t.detach().requires_grad_(n) for t, n in zip(tensors, wants, strict=True)]
-            out = experts_stock(inputs[0], index, inputs[1], inputs[2], inputs[3])
-            wanted = [t for t in inputs if t.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
-        gx, gw, ggu, gd = (next(grads) if t.requires_grad else None for t in inputs)
-        return gx, None, gw, ggu, gd
-
-
-def experts(
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-) -> torch.Tensor:
-    """Batch-invariant experts on CUDA, differentiable (see the module docstring)."""
-    if torch.is_grad_enabled() and any(
-        t.requires_grad for t in (hidden_states, top_k_weights, gate_up_proj, down_proj)
-    ):
-        return _Experts.apply(hidden_states, top_k_index, top_k_weights.contiguous(), gate_up_proj, down_proj)
-    return experts_forward(hidden_states, top_k_index, top_k_weights.contiguous(), gate_up_proj, down_proj)

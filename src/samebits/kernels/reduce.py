@@ -38,14 +38,3 @@ def tree_sum_ref(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch
     if keepdim:
         out = out.unsqueeze(-1).movedim(-1, dim)
     return out
-
-
-def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
-    """`tree_sum_ref`'s bits; on CUDA, float32 rows of up to 8192 elements take one Triton
-    launch (`reduce_triton.tree_sum`) instead of a launch per halving."""
-    if x.is_cuda and x.dtype == torch.float32 and x.dim():
-        from samebits.kernels import reduce_triton
-
-        if 1 <= x.shape[dim] <= reduce_triton.MAX_WIDTH:
-            return reduce_triton.tree_sum(x, dim, keepdim)
-    return tree_sum_ref(x, dim, keepdim)

@@ -5,7 +5,7 @@ log2(n) elementwise launches (plus a pad) per reduction. Transformers' RMSNorm t
 mean four times a layer, so in the trainer's forward those launches were a large share of the
 host time (`benchmarks/trainer_profile.py`). `tree_sum` computes the same tree in one kernel,
 -0.0 results included (see `tree_sum_kernel`); `tree_sum_block` is the tree itself, shared
-with the fused norms. `reduce.tree_sum` picks it where it applies.
+with the fused norms. The `samebits::tree_sum` op (`numerics.registry`) picks it where it applies.
 """
 
 from __future__ import annotations

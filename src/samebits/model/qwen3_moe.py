@@ -16,7 +16,6 @@ from torch import nn
 from samebits.model.attention import PagedAttentionMetadata, paged_attention
 from samebits.model.config import ModelConfig
 from samebits.numerics import ops
-from samebits.numerics.profile import EXACT, Profile
 
 
 class RMSNorm(nn.Module):
@@ -75,21 +74,20 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, cfg: ModelConfig, profile: Profile):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.impl = profile.experts
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
     def forward(self, x, top_k_index, top_k_weights):
-        return self.impl(x, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+        return ops.experts(x, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, profile: Profile):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.experts = Experts(cfg, profile)
+        self.experts = Experts(cfg)
         self.gate = Router(cfg)
 
     def forward(self, x):
@@ -98,10 +96,10 @@ class SparseMoeBlock(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, profile: Profile):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = SparseMoeBlock(cfg, profile) if cfg.is_sparse_layer(layer_idx) else MLP(cfg)
+        self.mlp = SparseMoeBlock(cfg) if cfg.is_sparse_layer(layer_idx) else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -118,10 +116,10 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3MoeModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, profile: Profile = EXACT):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, profile) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", ops.rotary_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
 
@@ -136,11 +134,10 @@ class Qwen3MoeModel(nn.Module):
 class Qwen3MoeForCausalLM(nn.Module):
     """Parameter names are transformers' (`model.layers.0.mlp.experts.gate_up_proj`, ...)."""
 
-    def __init__(self, cfg: ModelConfig, profile: Profile = EXACT):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.profile = profile
-        self.model = Qwen3MoeModel(cfg, profile)
+        self.model = Qwen3MoeModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

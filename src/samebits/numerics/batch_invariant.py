@@ -1,16 +1,38 @@
-"""`batch_invariant()`: aten overrides that make every reduction row-invariant.
+"""`batch_invariant()`: row-invariant aten kernels for the thread that enters it.
 
-Inside the context, the CPU kernels of the ops below are replaced by samebits'
-fixed-order versions, so a row's result never depends on how many other rows
-share the call. The rollout engine runs its forward inside this context; the
-trainer wraps its recompute in it, so both sides reach every GEMM and every
-reduction through the same kernels. Autograd sits above the overrides, so
-backward passes go through them too.
+Inside the context, in the thread that entered it, the aten ops below run samebits'
+fixed-order kernels, so a row's result never depends on how many other rows share the
+call. The rollout engine runs its forward inside it; the trainer wraps its recompute in it,
+so both sides reach every GEMM and every reduction through the same kernels. Autograd sits
+above the overrides, so a backward on the same thread (the CPU) goes through them too; on
+CUDA autograd runs the backward on its own device thread, which gets stock kernels.
 
-Overridden on CPU and, where Triton is installed, on CUDA: mm, addmm, bmm
-(CPU: `matmul_ref`; CUDA: the Triton kernel in `matmul_triton`), _log_softmax,
-_softmax, mean.dim and sum.dim_IntList (fixed-order trees for floating inputs
-reduced over one dim; other cases keep the stock kernel).
+The overrides are registered once per process (on the first entry, CPU and, where Triton and
+CUDA are present, CUDA). Each checks the calling thread's flag (`numerics.scope`): a thread
+that is not inside the context gets the stock kernel (the kernel that was registered before,
+called as it was), so entering per step costs a counter, and other threads are untouched.
+
+| aten op                                     | inside `batch_invariant()`                          |
+|---------------------------------------------|-----------------------------------------------------|
+| mm, addmm (alpha=beta=1), bmm               | row-invariant GEMM (CPU `matmul_ref`, CUDA Triton)  |
+| mv, dot                                     | the same GEMM with N=1                              |
+| _softmax, _log_softmax                      | max, exp, tree sum over the dim (fp32)              |
+| sum.dim_IntList, mean.dim (any dims, all)   | tree sum over the reduced dims flattened (fp32)     |
+| logsumexp                                   | max, exp, tree sum, log (aten's infinite-max rule)  |
+| var, std, var_mean, std_mean (.correction)  | two passes: tree mean, tree sum of squares          |
+| native_layer_norm                           | tree mean and variance, fp32, one rounding          |
+| convolution (not transposed)                | im2col + the row-invariant GEMM per group           |
+| sdpa: CPU fused kernel                      | the math path on the ops above                      |
+| sdpa: CUDA flash, efficient, cudnn kernels  | stock, with a one-time warning (see below)          |
+| baddbmm, addbmm, addmv, _addmm_activation   | refused: `NotImplementedError` naming the op        |
+| native_group_norm, nansum                   | refused                                             |
+| linalg_vector_norm, transposed convolution  | refused                                             |
+
+Integer and bool sums keep the stock kernel (exact in any order). Ops not in the table
+are elementwise, order-exact (max, min, argmax, topk) or per-row scans (cumsum).
+sdpa on CUDA: transformers' `sdpa` attention is the stock negative control that samebits'
+probes run inside the context, so it runs (stock) with a one-time warning; use
+`attn_implementation="samebits"` (or "eager", which reaches the GEMMs above) for bits.
 """
 
 from __future__ import annotations
@@ -18,145 +40,117 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
-from samebits.kernels.matmul import bmm_ref, matmul_ref
-from samebits.kernels.reduce import tree_sum
-from samebits.kernels.softmax import log_softmax_ref, softmax_ref
+from samebits.numerics import scope
+from samebits.numerics.invariant_ops import covered
+from samebits.numerics.registry import triton_available
+
+REFUSED = (
+    "baddbmm",
+    "addbmm",
+    "addmv",
+    "_addmm_activation",
+    "native_group_norm",
+    "nansum",
+    "linalg_vector_norm",
+)
+STOCK_WARNED_CUDA = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 
 _lock = threading.Lock()
-_depth = 0
 _lib: torch.library.Library | None = None
+_warned: set[str] = set()
 
 
-def _mm(a, b):
-    return matmul_ref(a, b)
+def _refuse(name: str) -> Callable:
+    def refused(*args, **kwargs):
+        raise NotImplementedError(
+            f"batch_invariant(): aten::{name} has no row-invariant implementation in samebits; "
+            f"run it outside batch_invariant() or express it with covered ops (see "
+            f"samebits.numerics.batch_invariant)"
+        )
+
+    return refused
 
 
-def _addmm(bias, a, b, *, beta=1, alpha=1):
-    if beta != 1 or alpha != 1:
-        raise NotImplementedError("samebits batch_invariant addmm supports only alpha=beta=1")
-    return matmul_ref(a, b, bias)
+def _warn_stock(name: str) -> Callable:
+    def stock(*args, **kwargs):
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(
+                f"batch_invariant(): aten::{name} (sdpa on CUDA) runs the stock fused kernel, which is "
+                f"not batch invariant; use attn_implementation='samebits' for invariant attention",
+                stacklevel=2,
+            )
+        return NotImplemented
+
+    return stock
 
 
-def _bmm(a, b):
-    return bmm_ref(a, b)
+def _override(name: str, device: str, impl: Callable) -> Callable:
+    """The kernel registered for `name` on `device`: `impl` inside the context, stock outside."""
+    original = torch.library.get_kernel(f"aten::{name}", _KEYS[device])
+
+    def kernel(keyset, *args, **kwargs):
+        if scope.invariant_depth():
+            out = impl(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        return original.call_boxed(keyset, *args, **kwargs)
+
+    return kernel
 
 
-def _mm_cuda(a, b):
-    from samebits.kernels.matmul_triton import matmul
-
-    return matmul(a, b)
-
-
-def _addmm_cuda(bias, a, b, *, beta=1, alpha=1):
-    from samebits.kernels.matmul_triton import matmul
-
-    if beta != 1 or alpha != 1:
-        raise NotImplementedError("samebits batch_invariant addmm supports only alpha=beta=1")
-    if bias.dim() == 1 and bias.shape[0] == b.shape[1]:
-        return matmul(a, b, bias)
-    return (matmul(a.float(), b.float()) + bias.float()).to(a.dtype)
-
-
-def _bmm_cuda(a, b):
-    from samebits.kernels.matmul_triton import bmm
-
-    return bmm(a, b)
-
-
-def _log_softmax(x, dim, half_to_float):
-    return log_softmax_ref(x, dim, torch.float32 if half_to_float else x.dtype)
-
-
-def _softmax(x, dim, half_to_float):
-    return softmax_ref(x, dim, torch.float32 if half_to_float else x.dtype)
-
-
-def _one_float_dim(x, dim) -> bool:
-    return x.is_floating_point() and dim is not None and len(dim) == 1 and x.dim() > 0
-
-
-def _sum_dim(x, dim, keepdim=False, *, dtype=None):
-    if not _one_float_dim(x, dim) or (dtype is not None and not dtype.is_floating_point):
-        # aten's own result dtype: bool and integer sums are int64 unless dtype says otherwise
-        default = x.dtype if x.is_floating_point() or x.is_complex() else torch.int64
-        out = torch.empty(0, dtype=dtype or default, device=x.device)
-        return torch.ops.aten.sum.IntList_out(x, dim, keepdim, dtype=dtype, out=out)
-    acc = x.to(dtype) if dtype is not None else x
-    low = acc.dtype in (torch.bfloat16, torch.float16)
-    total = tree_sum(acc.float() if low else acc, dim=dim[0], keepdim=keepdim)
-    return total.to(acc.dtype)
-
-
-def _mean_dim(x, dim, keepdim=False, *, dtype=None):
-    if not _one_float_dim(x, dim):
-        out = torch.empty(0, dtype=dtype or x.dtype, device=x.device)
-        return torch.ops.aten.mean.out(x, dim, keepdim, dtype=dtype, out=out)
-    acc = x.to(dtype) if dtype is not None else x
-    low = acc.dtype in (torch.bfloat16, torch.float16)
-    xf = acc.float() if low else acc
-    n = xf.shape[dim[0]]
-    return (tree_sum(xf, dim=dim[0], keepdim=keepdim) / n).to(acc.dtype)
-
-
-_OVERRIDES = {
-    "mm": _mm,
-    "addmm": _addmm,
-    "bmm": _bmm,
-    "_log_softmax": _log_softmax,
-    "_softmax": _softmax,
-    "sum.dim_IntList": _sum_dim,
-    "mean.dim": _mean_dim,
-}
-
-
-_CUDA_GEMMS = {"mm": _mm_cuda, "addmm": _addmm_cuda, "bmm": _bmm_cuda}
-
-
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
+def _implementations(device: str) -> dict[str, Callable]:
+    impls = covered(device) | {name: _refuse(name) for name in REFUSED}
+    if device == "cuda":
+        impls |= {name: _warn_stock(name) for name in STOCK_WARNED_CUDA}
+    return impls
 
 
 def _install() -> torch.library.Library:
     lib = torch.library.Library("aten", "IMPL")
-    cuda = _OVERRIDES | _CUDA_GEMMS if triton_available() else {}
+    devices = ("cpu", "cuda") if triton_available() else ("cpu",)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "overriding a previously registered kernel"
-        for name, fn in _OVERRIDES.items():
-            lib.impl(name, fn, "CPU")
-        for name, fn in cuda.items():
-            lib.impl(name, fn, "CUDA")
+        for device in devices:
+            for name, impl in _implementations(device).items():
+                lib.impl(name, _override(name, device, impl), _KEYS[device], with_keyset=True)
     return lib
 
 
+def installed() -> bool:
+    """Whether the overrides are registered (they are, from the first entry on, for good)."""
+    return _lib is not None
+
+
 def is_active() -> bool:
-    """Whether a `batch_invariant()` context is open (in any thread)."""
-    return _depth > 0
+    """Whether the calling thread is inside a `batch_invariant()` context."""
+    return scope.invariant_depth() > 0
 
 
 @contextlib.contextmanager
 def batch_invariant() -> Iterator[None]:
-    """Run the enclosed code with samebits' row-invariant aten kernels.
+    """Run the enclosed code, in this thread, with samebits' row-invariant aten kernels.
 
-    Re-entrant. The overrides are process-wide while any context is open.
+    Re-entrant and cheap (a per-thread counter); other threads keep stock kernels. Inside,
+    ops without an invariant implementation raise instead of running stock (see the module
+    docstring's table).
     """
-    global _depth, _lib
-    with _lock:
-        if _depth == 0:
-            _lib = _install()
-        _depth += 1
+    global _lib
+    if _lib is None:
+        with _lock:
+            if _lib is None:
+                _lib = _install()
+    scope.add_invariant(1)
     try:
         yield
     finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0 and _lib is not None:
-                _lib._destroy()
-                _lib = None
+        scope.add_invariant(-1)

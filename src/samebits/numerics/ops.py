@@ -1,11 +1,13 @@
-"""HF-order ops as `torch.library` custom ops.
+"""samebits' ops as `torch.library` custom ops: the HF-order ops and the MoE experts.
 
-Each op runs exactly the aten sequence of the transformers module it mirrors
-(named in its docstring), so it gives transformers' bits; as an opaque custom
-op with a fake kernel, `torch.compile` cannot fuse or reorder it and CUDA-graph
-capture keeps it as it is. Inside `batch_invariant()` the reductions these
-sequences call (mean, softmax, sum) go through the same row-invariant kernels
-as the transformers module does there.
+Each HF-order op runs exactly the aten sequence of the transformers module it mirrors
+(named in its docstring), so it gives transformers' bits; as an opaque custom op with a
+fake kernel, `torch.compile` cannot fuse or reorder it and CUDA-graph capture keeps it as
+it is. Inside `batch_invariant()` the reductions these sequences call (mean, softmax, sum)
+go through the same row-invariant kernels as the transformers module does there.
+
+Ops with a device or profile choice have a CPU body and a CUDA kernel that both ask the
+registry (`numerics.registry.pick`): the registry's `TABLE` is where the choice is made.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import contextlib
 
 import torch
 
-from samebits.numerics.batch_invariant import is_active as batch_invariant_active
+from samebits.numerics import scope
+from samebits.numerics.batch_invariant import batch_invariant
+from samebits.numerics.registry import pick
 
 Tensor = torch.Tensor
 
@@ -32,15 +36,12 @@ def rotary_inv_freq(head_dim: int, rope_theta: float) -> Tensor:
 @torch.library.custom_op("samebits::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Qwen3MoeRMSNorm: fp32 variance and rsqrt, cast, then `weight *` in the weight's dtype."""
-    return _rms_norm_composite(x, weight, eps)
+    return pick("rms_norm", "cpu")(x, weight, eps)
 
 
-def _rms_norm_composite(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    input_dtype = x.dtype
-    h = x.to(torch.float32)
-    variance = h.pow(2).mean(-1, keepdim=True)
-    h = h * torch.rsqrt(variance + eps)
-    return weight * h.to(input_dtype)
+@rms_norm.register_kernel("cuda")
+def _(x, weight, eps):
+    return pick("rms_norm", "cuda")(x, weight, eps)
 
 
 @rms_norm.register_fake
@@ -51,8 +52,12 @@ def _(x, weight, eps):
 @torch.library.custom_op("samebits::add_rms_norm", mutates_args=())
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """`h = residual + x` rounded in the activation dtype, then `rms_norm(h)`; returns (h, norm)."""
-    h = residual + x
-    return h, _rms_norm_composite(h, weight, eps)
+    return pick("add_rms_norm", "cpu")(x, residual, weight, eps)
+
+
+@add_rms_norm.register_kernel("cuda")
+def _(x, residual, weight, eps):
+    return pick("add_rms_norm", "cuda")(x, residual, weight, eps)
 
 
 @add_rms_norm.register_fake
@@ -116,26 +121,17 @@ def _(x, position_ids, inv_freq, attention_scaling, mrope_section):
     return x.new_empty(shape), x.new_empty(shape)
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
 @torch.library.custom_op("samebits::apply_rotary", mutates_args=())
 def apply_rotary(
     q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1
 ) -> tuple[Tensor, Tensor]:
     """apply_rotary_pos_emb: `q*cos + rotate_half(q)*sin`, each op rounding on its own."""
-    return _apply_rotary_composite(q, k, cos, sin, unsqueeze_dim)
+    return pick("apply_rotary", "cpu")(q, k, cos, sin, unsqueeze_dim)
 
 
-def _apply_rotary_composite(q, k, cos, sin, unsqueeze_dim):
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-    q_embed = (q * cos) + (_rotate_half(q) * sin)
-    k_embed = (k * cos) + (_rotate_half(k) * sin)
-    return q_embed, k_embed
+@apply_rotary.register_kernel("cuda")
+def _(q, k, cos, sin, unsqueeze_dim=1):
+    return pick("apply_rotary", "cuda")(q, k, cos, sin, unsqueeze_dim)
 
 
 @apply_rotary.register_fake
@@ -193,68 +189,50 @@ def reported_logprobs(logits: torch.Tensor, temperatures: list[float] | torch.Te
     return torch.log_softmax(logits.float() / temps.to(logits.device)[:, None], dim=-1)
 
 
-# -- CUDA: the fused kernels, in transformers' bits under batch_invariant() -----------------------
-#
-# Under `batch_invariant()` the composite ops above reduce with the fixed pairwise tree; the
-# Triton kernels in `kernels/norm_rope_triton.py` compute exactly that in one launch (tested
-# bitwise against the transformers modules). Outside it the composite runs (stock reductions,
-# transformers' bits there), unless `fused_anyway()` is open: the fast profile's choice.
+@torch.library.custom_op("samebits::experts", mutates_args=())
+def experts(
+    hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor
+) -> Tensor:
+    """MoE experts (SiLU), transformers' layout: sum over k of `weight_k * down_e(silu(gate_e(x)) * up_e(x))`.
 
-_fused_anyway = 0
-# Measured on the H200: the fused norms give transformers' bits at power-of-two widths (2048 and
-# 128: the 48-layer probe, 0 mismatches); the tiny models' 96/24 widths mismatched in one probe
-# sequence, so other widths keep the composite. The fused rotary differs in ~19% of elements, so
-# under batch_invariant() it stays off.
-FUSED_EXACT = {"rms_norm": True, "rotary": False}
+    hidden [T, H], top_k_index/weights [T, K], gate_up_proj [E, 2I, H] ([gate; up] on dim 1),
+    down_proj [E, H, I] -> [T, H]. Exact profile: samebits' batch-invariant kernels (CPU
+    `experts_ref`, CUDA Triton); fast profile: the stock twins. Engine and trainer both call it.
+    """
+    return pick("experts", "cpu")(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
+@experts.register_kernel("cuda")
+def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):
+    return pick("experts", "cuda")(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
 
 
-@contextlib.contextmanager
-def fused_anyway():
-    """Use the fused CUDA kernels even outside `batch_invariant()` (the fast profile)."""
-    global _fused_anyway
-    _fused_anyway += 1
-    try:
-        yield
-    finally:
-        _fused_anyway -= 1
+@experts.register_fake
+def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):
+    return torch.empty_like(hidden_states)
 
 
-def _fused(x: Tensor, op: str) -> bool:
-    if not x.is_cuda or not (_fused_anyway or (FUSED_EXACT[op] and batch_invariant_active())):
-        return False
-    from samebits.numerics.batch_invariant import triton_available
-
-    return triton_available()
+def _experts_setup(ctx, inputs, output):
+    x, index, weights, gate_up, down = inputs
+    ctx.save_for_backward(x, index, weights, gate_up, down)
+    ctx.profile = scope.profile_name()  # the backward recomputes what this forward ran
 
 
-@rms_norm.register_kernel("cuda")
-def _(x, weight, eps):
-    if not _fused(x, "rms_norm") or not (_fused_anyway or _pow2(x.shape[-1])):
-        return _rms_norm_composite(x, weight, eps)
-    from samebits.kernels.norm_rope_triton import rms_norm as fused
-
-    return fused(x, weight, eps)
-
-
-@add_rms_norm.register_kernel("cuda")
-def _(x, residual, weight, eps):
-    if not _fused(x, "rms_norm") or residual.dtype != x.dtype or not (_fused_anyway or _pow2(x.shape[-1])):
-        h = residual + x
-        return h, _rms_norm_composite(h, weight, eps)
-    from samebits.kernels.norm_rope_triton import rms_norm as fused
-
-    return fused(x, weight, eps, residual=residual)
+def _experts_backward(ctx, grad_out):
+    """Recompute the forward with differentiable ops (the registry's `experts_backward`; inside
+    batch_invariant() when the forward was exact) and differentiate that."""
+    x, index, weights, gate_up, down = ctx.saved_tensors
+    recompute = pick("experts_backward", x.device.type, ctx.profile)
+    needs = ctx.needs_input_grad
+    wants = (needs[0], needs[2], needs[3], needs[4])
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(n) for t, n in zip((x, weights, gate_up, down), wants, strict=True)]
+        with batch_invariant() if ctx.profile == "exact" else contextlib.nullcontext():
+            out = recompute(leaves[0], index, leaves[1], leaves[2], leaves[3])
+        wanted = [t for t in leaves if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
+    gx, gw, ggu, gd = (next(grads) if t.requires_grad else None for t in leaves)
+    return gx, None, gw, ggu, gd
 
 
-@apply_rotary.register_kernel("cuda")
-def _(q, k, cos, sin, unsqueeze_dim=1):
-    from samebits.kernels.norm_rope_triton import apply_rotary as fused
-    from samebits.kernels.norm_rope_triton import rotary_supported
-
-    if not _fused(q, "rotary") or not rotary_supported(q, k, cos, unsqueeze_dim):
-        return _apply_rotary_composite(q, k, cos, sin, unsqueeze_dim)
-    return fused(q, k, cos, sin)
+experts.register_autograd(_experts_backward, setup_context=_experts_setup)

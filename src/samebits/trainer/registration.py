@@ -9,13 +9,14 @@ rollout engine.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
 from transformers import AttentionInterface
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.masking_utils import AttentionMaskInterface
 
 from samebits.kernels.attention import Packing, attention_ref, segment_bounds, varlen_attention
-from samebits.kernels.experts import experts
+from samebits.numerics.ops import experts
 
 NAME = "samebits"
 
@@ -26,7 +27,13 @@ def samebits_experts(self, hidden_states, top_k_index, top_k_weights):
         raise NotImplementedError("samebits experts support untransposed, bias-free experts only")
     if not getattr(self, "has_gate", True) or not getattr(self, "is_concatenated", True):
         raise NotImplementedError("samebits experts need a concatenated [gate; up] gate_up_proj")
-    return experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, self.act_fn)
+    if not _is_silu(self.act_fn):
+        raise NotImplementedError(f"samebits experts support SiLU only, got {self.act_fn!r}")
+    return experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+
+
+def _is_silu(fn) -> bool:
+    return fn is F.silu or isinstance(fn, torch.nn.SiLU) or type(fn).__name__ == "SiLUActivation"
 
 
 def samebits_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

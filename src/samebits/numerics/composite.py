@@ -1,0 +1,44 @@
+"""HF-order compositions: transformers' aten sequences, op for op (portable; every device).
+
+These are the implementations the registry picks wherever no fused kernel is chosen. They
+reduce through aten (`mean`), so inside `batch_invariant()` the reductions are the fixed
+pairwise trees and outside it they are the stock kernels, exactly as transformers' modules.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Qwen3MoeRMSNorm: fp32 variance and rsqrt, cast, then `weight *` in the weight's dtype."""
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(input_dtype)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """`h = residual + x` rounded in the activation dtype, then `rms_norm(h)`; returns (h, norm)."""
+    h = residual + x
+    return h, rms_norm(h, weight, eps)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(
+    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1
+) -> tuple[Tensor, Tensor]:
+    """apply_rotary_pos_emb: `q*cos + rotate_half(q)*sin`, each op rounding on its own."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (_rotate_half(q) * sin)
+    k_embed = (k * cos) + (_rotate_half(k) * sin)
+    return q_embed, k_embed
