@@ -198,3 +198,35 @@ def batch_on(mode, batch):
     return AttentionBatch(
         **{f: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for f, x in fields.items()}
     )
+
+
+@pytest.mark.gpu
+def test_cuda_op_gives_the_launchers_bits_and_the_trainers_rows():
+    """One engine batch (a decode, a chunk over cached keys, a fresh prefill; scrambled pages)
+    through the op equals the Triton launcher called with the fields the runner used to build,
+    and every row equals the trainer's packed forward over the whole sequences."""
+    from samebits.kernels.attention_triton import attention as launcher
+
+    h, kvh, d, bs, dev = 32, 4, 128, 16, "cuda"
+    starts, counts = [200, 37, 0], [1, 100, 150]
+    ends = [s + c for s, c in zip(starts, counts, strict=True)]
+    q, k, v = (t.to(dev) for t in _qkv(sum(ends), h, kvh, d, torch.bfloat16, seed=51))  # whole sequences
+    tables, blocks = _tables(ends, bs, scrambled=True, seed=3)
+    kc, vc = (t.to(dev) for t in _cache(blocks, bs, kvh, d, torch.bfloat16))
+    history = AttentionBatch.build(tables, [0, 0, 0], ends, bs, dev)
+    kc[history.slot_mapping], vc[history.slot_mapping] = k, v
+    offsets = [0, ends[0], ends[0] + ends[1]]
+    rows = torch.cat([torch.arange(o + s, o + e) for o, s, e in zip(offsets, starts, ends, strict=True)]).to(
+        dev
+    )
+    batch = AttentionBatch.build(tables, starts, counts, bs, dev)
+    out = attention(q[rows], kc, vc, batch, d**-0.5)
+    table = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables], dtype=torch.int32)
+    old = [torch.tensor(x, dtype=torch.int32, device=dev) for x in ([0, 1, 101], counts, ends)]
+    want = launcher(q[rows], kc, vc, table.to(dev), *old, 150, d**-0.5, bs)
+    assert torch.equal(out, want)
+    packed = attention(q, k, v, AttentionBatch.packed(ends, dev), d**-0.5)
+    assert torch.equal(out, packed[rows])
+    # negative control: other key blocks reduce in another order, and the check sees it
+    other = launcher(q[rows], kc, vc, table.to(dev), *old, 150, d**-0.5, bs, block_n=32)
+    assert not torch.equal(other, packed[rows])

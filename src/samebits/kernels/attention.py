@@ -7,6 +7,11 @@ padding is, so a row's bits are the same whether it is computed in a packed
 trainer forward, in a prefill chunk over cached KV, or alone in decode, and
 whatever the padded width of the batch. Scores, softmax and p.v are fp32.
 
+`paged_attention_ref` is the portable side of the one attention op (the Triton
+kernel is the other): it gathers each sequence's keys through its block table and
+runs `attention_ref` over them. The packed backward (gradients carry no bitwise
+contract) is autograd through `attention_ref` per sequence, or sdpa's on CUDA.
+
 Shapes: B = groups (sequences), R = query rows, L = keys, H = query heads,
 KVH = kv heads, G = H // KVH, D = head dim.
 """
