@@ -81,6 +81,8 @@ def paged_attention_ref(
     and past each row's position count as -0.0, so the bits are `attention_ref`'s over the
     sequence's own keys, whatever the pages and the batch.
     """
+    if max_query_len == 0 or q.shape[0] == 0:
+        return q.new_zeros(q.shape)
     width = block_table.shape[1] * block_size
     key = torch.arange(width, device=q.device)
     slots = block_table.long()[:, key // block_size] * block_size + key % block_size  # [B, L]

@@ -184,6 +184,34 @@ def attention(
     return out
 
 
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [slots, KVH, D]
+    v_cache: torch.Tensor,  # [slots, KVH, D]
+    block_table: torch.Tensor,  # [B, pages] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    query_lens: torch.Tensor,  # [B] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    max_query_len: int,
+    scale: float,
+    block_size: int,
+) -> torch.Tensor:
+    """`attention` with the arguments of `samebits::paged_attention` (and of
+    `paged_attention_ref`): the CUDA implementation of that op."""
+    return attention(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        query_start_loc[:-1],
+        query_lens,
+        seq_lens,
+        max_query_len,
+        scale,
+        block_size,
+    )
+
+
 def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Raise ValueError unless q [T, H, D] and k/v [S, KVH, D] suit `attention_kernel`."""
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2]:

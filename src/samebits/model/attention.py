@@ -134,23 +134,10 @@ def _paged_attention(
 
 
 @_paged_attention.register_kernel("cuda")
-def _(
-    q, k_cache, v_cache, block_table, query_start_loc, query_lens, seq_lens, max_query_len, scale, block_size
-):
-    from samebits.kernels.attention_triton import attention as triton_attention
+def _(*args):  # the op's arguments, in its order
+    from samebits.kernels.attention_triton import paged_attention as triton_paged_attention
 
-    return triton_attention(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        query_start_loc[:-1],
-        query_lens,
-        seq_lens,
-        max_query_len,
-        scale,
-        block_size,
-    )
+    return triton_paged_attention(*args)
 
 
 @_paged_attention.register_fake
