@@ -31,6 +31,13 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True)
 class AttentionBatch:
+    """Which queries of a step attend over which keys, read through a block table.
+
+    Build it with `build` (engine steps) or `packed` (the trainer); CUDA graphs fill one
+    from static buffers. Key j of sequence b sits at cache slot
+    `block_table[b, j // block_size] * block_size + j % block_size`.
+    """
+
     positions: Tensor  # [T] long: position of each token in its sequence
     slot_mapping: Tensor  # [T] long: cache slot that receives each token's K/V
     block_table: Tensor  # [B, P] int32: cache block of each page, padded with 0
