@@ -34,7 +34,9 @@ def _int(*xs):
 @pytest.mark.parametrize("h,kvh,d", [(32, 4, 128), (6, 2, 24)])
 def test_triton_attention_same_bits_packed_chunked_and_decode(h, kvh, d):
     from samebits.kernels.attention import varlen_attention as varlen_ref
-    from samebits.kernels.attention_triton import attention, varlen_attention
+    from samebits.kernels.attention_triton import attention
+    from samebits.model.attention import AttentionBatch
+    from samebits.model.attention import attention as attention_op
 
     bounds = [(0, 10), (10, 300), (300, 301), (301, 500)]
     s = 500
@@ -42,7 +44,8 @@ def test_triton_attention_same_bits_packed_chunked_and_decode(h, kvh, d):
     k = torch.randn(s, kvh, d, device="cuda", generator=_g(1)).bfloat16()
     v = torch.randn(s, kvh, d, device="cuda", generator=_g(2)).bfloat16()
     scale = d**-0.5
-    packed = varlen_attention(q, k, v, bounds, scale)
+    trainer_batch = AttentionBatch.packed([e - b for b, e in bounds], "cuda")  # page size 1
+    packed = attention_op(q, k, v, trainer_batch, scale)
     start, end = bounds[1]
     n = end - start
     kc, vc, table = _paged(k[start:end], v[start:end], 16, seed=3)
@@ -126,13 +129,14 @@ def test_triton_experts_backward_matches_float64():
 
 def test_packed_attention_backward_matches_float64():
     """The backward (sdpa per sequence, K/V heads repeated) against float64 autograd."""
-    from samebits.kernels.attention import Packing
-    from samebits.kernels.attention_triton import packed_attention
+    from samebits.model.attention import AttentionBatch, packed_attention
 
     bounds, (h, kvh, d) = [(0, 70), (70, 71), (71, 200)], (32, 4, 128)
     q, k, v = (torch.randn(200, n, d, device="cuda", generator=_g(i)) for i, n in enumerate((h, kvh, kvh)))
     leaves = [t.requires_grad_() for t in (q, k, v)]
-    out = packed_attention(*(t.bfloat16() for t in leaves), Packing.of(bounds, "cuda"), d**-0.5)
+    out = packed_attention(
+        *(t.bfloat16() for t in leaves), AttentionBatch.packed([e - s for s, e in bounds], "cuda"), d**-0.5
+    )
     grad = torch.randn(out.shape, device="cuda", generator=_g(7)).bfloat16()
     got = torch.autograd.grad(out, leaves, grad)
     dl = [t.detach().double().requires_grad_() for t in leaves]

@@ -80,9 +80,9 @@ def test_packed_positions_are_read_once_per_position_tensor():
 
     pos = torch.tensor([[0, 1, 2, 0, 1, 0]])
     first = _packings(pos)
-    assert first[0].bounds == ((0, 3), (3, 5), (5, 6))
-    assert first[0].lens.tolist() == [3, 2, 1] and first[0].table[1].tolist() == [3, 4, 5]
+    assert first[0].query_start_loc_cpu.tolist() == [0, 3, 5, 6]  # sequences (0, 3), (3, 5), (5, 6)
+    assert first[0].query_lens.tolist() == [3, 2, 1] and first[0].block_table[1, :2].tolist() == [3, 4]
     assert _packings(pos) is first
     pos[0, 3:5] = torch.tensor([3, 4])  # now one sequence of 5 tokens, then one of 1
-    assert _packings(pos)[0].bounds == ((0, 5), (5, 6))
-    assert _packings(pos.clone())[0].bounds == ((0, 5), (5, 6))
+    assert _packings(pos)[0].query_start_loc_cpu.tolist() == [0, 5, 6]
+    assert _packings(pos.clone())[0].query_start_loc_cpu.tolist() == [0, 5, 6]

@@ -15,7 +15,7 @@ import torch
 
 from samebits.engine.sampler import SampleRequest, needs_host_rules, row_inputs, sample, sample_plain
 from samebits.engine.scheduler import ScheduledBatch
-from samebits.model.attention import PagedAttentionMetadata
+from samebits.model.attention import AttentionBatch
 
 
 def graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -36,7 +36,7 @@ class DecodeGraphs:
         self.i64 = torch.zeros(6, n, dtype=torch.long, device=dev)
         self.block_tables = torch.zeros(n, max_pages, dtype=torch.int32, device=dev)
         self.ctx_len = torch.ones(n, dtype=torch.int32, device=dev)
-        self.q_start = torch.arange(n, dtype=torch.int32, device=dev)
+        self.q_start = torch.arange(n + 1, dtype=torch.int32, device=dev)  # query_start_loc
         self.q_len = torch.ones(n, dtype=torch.int32, device=dev)
         self.temps = torch.ones(n, dtype=torch.float32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
@@ -66,15 +66,15 @@ class DecodeGraphs:
             return sample(logits[:n], reqs)
         return list(zip(tokens[:n].tolist(), chosen[:n].tolist(), strict=True))
 
-    def _meta(self, size: int) -> PagedAttentionMetadata:
-        return PagedAttentionMetadata(
+    def _meta(self, size: int) -> AttentionBatch:
+        return AttentionBatch(
             positions=self.i64[1, :size],
             slot_mapping=self.i64[2, :size],
-            block_tables=self.block_tables[:size],
-            q_start=self.q_start[:size],
-            q_len=self.q_len[:size],
-            ctx_len=self.ctx_len[:size],
-            max_q_len=1,
+            block_table=self.block_tables[:size],
+            query_start_loc=self.q_start[: size + 1],
+            query_lens=self.q_len[:size],
+            seq_lens=self.ctx_len[:size],
+            max_query_len=1,
             block_size=self.runner.block_size,
         )
 

@@ -1,7 +1,7 @@
 """The only room that touches the device: the model, the KV cache, one step.
 
 A step turns a `ScheduledBatch` into flat tokens [T], a
-`PagedAttentionMetadata`, one forward under the model's numerics profile
+`AttentionBatch`, one forward under the model's numerics profile
 (`batch_invariant()` when exact), logits for the rows that sample, and sampled
 (token, log-prob) pairs.
 """
@@ -13,7 +13,7 @@ import torch
 from samebits.engine.cuda_graphs import DecodeGraphs
 from samebits.engine.sampler import SampleRequest, sample
 from samebits.engine.scheduler import ScheduledBatch
-from samebits.model.attention import PagedAttentionMetadata
+from samebits.model.attention import AttentionBatch
 from samebits.model.config import ModelConfig
 from samebits.numerics.profile import EXACT, Profile
 
@@ -52,79 +52,22 @@ class ModelRunner:
             for _ in range(cfg.num_hidden_layers)
         ]
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        pos = torch.arange(start, end)
-        table = torch.tensor(block_table, dtype=torch.long)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
-
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, PagedAttentionMetadata, list[int]]:
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionBatch, list[int]]:
         """-> input_ids [T], metadata, and the row in T of each chunk that samples."""
-        ids, positions, slots, sample_rows = [], [], [], []
-        bs = self.block_size
-        row = 0
+        ids, sample_rows = [], []
         for c in batch.chunks:
-            end = c.start + c.num_tokens
-            table = c.seq.block_table
-            ids.extend(c.seq.token_ids[c.start : end])
-            positions.extend(range(c.start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, end))
-            row += c.num_tokens
+            ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
             if c.samples:
-                sample_rows.append(row - 1)
-        dev = self.device
-        common = dict(
-            positions=torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
-        )
-        paths = self._triton_fields(batch) if dev.type == "cuda" else self._portable_fields(batch)
-        meta = PagedAttentionMetadata(**common, **paths)
-        return torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True), meta, sample_rows
-
-    def _triton_fields(self, batch: ScheduledBatch) -> dict:
+                sample_rows.append(len(ids) - 1)
         chunks = batch.chunks
-        pages = max(len(c.seq.block_table) for c in chunks)
-        tables = torch.zeros(len(chunks), pages, dtype=torch.int32)
-        starts, lens, ctx = [], [], []
-        row = 0
-        for i, c in enumerate(chunks):
-            tables[i, : len(c.seq.block_table)] = torch.tensor(c.seq.block_table, dtype=torch.int32)
-            starts.append(row)
-            lens.append(c.num_tokens)
-            ctx.append(c.start + c.num_tokens)
-            row += c.num_tokens
-        dev = self.device
-        as_int = lambda xs: torch.tensor(xs, dtype=torch.int32).to(dev, non_blocking=True)  # noqa: E731
-        return dict(
-            block_tables=tables.to(dev, non_blocking=True),
-            q_start=as_int(starts),
-            q_len=as_int(lens),
-            ctx_len=as_int(ctx),
-            max_q_len=max(lens),
-            block_size=self.block_size,
+        meta = AttentionBatch.build(
+            [c.seq.block_table for c in chunks],
+            [c.start for c in chunks],
+            [c.num_tokens for c in chunks],
+            self.block_size,
+            self.device,
         )
-
-    def _portable_fields(self, batch: ScheduledBatch) -> dict:
-        chunks = batch.chunks
-        r = max(c.num_tokens for c in chunks)
-        length = max(c.start + c.num_tokens for c in chunks)
-        key_slots = torch.zeros(len(chunks), length, dtype=torch.long)
-        query_rows = torch.zeros(len(chunks), r, dtype=torch.long)
-        query_pos = torch.zeros(len(chunks), r, dtype=torch.long)
-        token_index = []
-        row = 0
-        for i, c in enumerate(chunks):
-            end = c.start + c.num_tokens
-            key_slots[i, :end] = self._slots(c.seq.block_table, 0, end)
-            query_rows[i, : c.num_tokens] = torch.arange(row, row + c.num_tokens)
-            query_pos[i, : c.num_tokens] = torch.arange(c.start, end)
-            token_index.append(torch.arange(i * r, i * r + c.num_tokens))
-            row += c.num_tokens
-        return dict(
-            key_slots=key_slots,
-            query_rows=query_rows,
-            query_pos=query_pos,
-            token_index=torch.cat(token_index),
-        )
+        return torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True), meta, sample_rows
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, reqs: list[SampleRequest]) -> list[tuple[int, float]]:

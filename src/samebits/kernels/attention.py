@@ -7,13 +7,16 @@ padding is, so a row's bits are the same whether it is computed in a packed
 trainer forward, in a prefill chunk over cached KV, or alone in decode, and
 whatever the padded width of the batch. Scores, softmax and p.v are fp32.
 
+`paged_attention_ref` is the portable side of the one attention op (the Triton
+kernel is the other): it gathers each sequence's keys through its block table and
+runs `attention_ref` over them. The packed backward (gradients carry no bitwise
+contract) is autograd through `attention_ref` per sequence, or sdpa's on CUDA.
+
 Shapes: B = groups (sequences), R = query rows, L = keys, H = query heads,
 KVH = kv heads, G = H // KVH, D = head dim.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -56,26 +59,42 @@ def _attend(q, k, v, q_pos, scale):
     return out.reshape(b, r, h, d).to(q.dtype)
 
 
-@dataclass(frozen=True)
-class Packing:
-    """Sequences packed in one row: their (start, end) on the host and, made once, the
-    device tensors `attention` reads them through (so a forward over many layers copies
-    them to the GPU once, not once per layer)."""
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    block_size: int,
+) -> torch.Tensor:
+    """`attention_ref` with keys read through a block table, the Triton kernel's contract.
 
-    bounds: tuple[tuple[int, int], ...]
-    table: torch.Tensor  # [B, longest] int32: key j of sequence b is packed row table[b, j]
-    starts: torch.Tensor  # [B] int32
-    lens: torch.Tensor  # [B] int32
-    longest: int
-
-    @classmethod
-    def of(cls, bounds, device) -> Packing:
-        bounds = tuple((int(s), int(e)) for s, e in bounds)
-        host = torch.tensor([[s, e - s] for s, e in bounds], dtype=torch.int32)  # [B, 2]
-        starts, lens = host.to(device, non_blocking=True).unbind(1)
-        longest = max(e - s for s, e in bounds)
-        table = torch.arange(longest, dtype=torch.int32, device=device)[None, :] + starts[:, None]
-        return cls(bounds, table, starts.contiguous(), lens.contiguous(), longest)
+    q [T, H, D]; k_cache/v_cache [slots, KVH, D]; block_table [B, P]: key j of sequence b sits
+    at slot `block_table[b, j // block_size] * block_size + j % block_size`; query_start_loc
+    [B + 1], query_lens [B], seq_lens [B] (keys after this step). Query i of sequence b is row
+    query_start_loc[b] + i of T at position seq_lens[b] - query_lens[b] + i. -> [T, H, D],
+    rows of T outside every sequence 0. Keys are gathered to the table's width (P * block_size)
+    and past each row's position count as -0.0, so the bits are `attention_ref`'s over the
+    sequence's own keys, whatever the pages and the batch.
+    """
+    if max_query_len == 0 or q.shape[0] == 0:
+        return q.new_zeros(q.shape)
+    width = block_table.shape[1] * block_size
+    key = torch.arange(width, device=q.device)
+    slots = block_table.long()[:, key // block_size] * block_size + key % block_size  # [B, L]
+    r = torch.arange(max_query_len, device=q.device)
+    query_lens = query_lens.long()
+    in_chunk = r[None, :] < query_lens[:, None]  # [B, R]
+    rows = torch.where(in_chunk, query_start_loc[:-1, None].long() + r, 0)  # [B, R] row in T
+    q_pos = torch.where(in_chunk, (seq_lens.long() - query_lens)[:, None] + r, 0)  # [B, R]
+    out = attention_ref(q[rows], k_cache[slots], v_cache[slots], q_pos, scale)  # [B, R, H, D]
+    result = q.new_zeros(q.shape)
+    result[rows[in_chunk]] = out[in_chunk]
+    return result
 
 
 def segment_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
@@ -103,3 +122,56 @@ def varlen_attention(
         local = torch.arange(n, device=q.device).view(1, n)
         outs.append(attention_ref(q[None, start:end], k[None, start:end], v[None, start:end], local, scale)[0])
     return torch.cat(outs, dim=0)
+
+
+def _segments(query_start_loc: list[int]) -> list[tuple[int, int]]:
+    return list(zip(query_start_loc[:-1], query_start_loc[1:], strict=True))
+
+
+def packed_attention_backward_ref(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_start_loc: list[int],
+    scale: float,
+) -> list[torch.Tensor]:
+    """Gradients of packed causal attention (each sequence its own keys), by autograd through
+    `attention_ref` per sequence. q [S, H, D], k/v [S, KVH, D], grad_out [S, H, D],
+    query_start_loc [B + 1] on the host -> [dq, dk, dv]."""
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    for start, end in _segments(query_start_loc):
+        parts = [t[None, start:end].detach().requires_grad_() for t in (q, k, v)]
+        with torch.enable_grad():
+            local = torch.arange(end - start, device=q.device).view(1, -1)
+            out = attention_ref(*parts, local, scale)
+            got = torch.autograd.grad(out, parts, grad_out[None, start:end])
+        for g, part in zip(grads, got, strict=True):
+            g[start:end] = part[0]
+    return grads
+
+
+def packed_attention_backward_sdpa(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_start_loc: list[int],
+    scale: float,
+) -> list[torch.Tensor]:
+    """`packed_attention_backward_ref`'s contract through sdpa's backward (gradients carry no
+    bitwise contract; this is the fast one on CUDA). Inputs are 4-d and K/V heads repeated to
+    the query heads, so sdpa can take a fused kernel (3-d or `enable_gqa` inputs run math)."""
+    group = q.shape[1] // k.shape[1]
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    for start, end in _segments(query_start_loc):
+        parts = [
+            t[None, start:end].transpose(1, 2).detach().requires_grad_() for t in (q, k, v)
+        ]  # [1, heads, n, D]
+        with torch.enable_grad():
+            kv = [t.repeat_interleave(group, dim=1) for t in parts[1:]]  # [1, H, n, D]
+            out = torch.nn.functional.scaled_dot_product_attention(parts[0], *kv, is_causal=True, scale=scale)
+            got = torch.autograd.grad(out, parts, grad_out[None, start:end].transpose(1, 2))
+        for g, part in zip(grads, got, strict=True):
+            g[start:end] = part[0].transpose(0, 1)
+    return grads

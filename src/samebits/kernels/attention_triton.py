@@ -15,9 +15,10 @@ sharing its tile. No split-KV.
 Keys are read through a page table: key j of sequence b sits at slot
 `block_table[b, j // page_size] * page_size + j % page_size` of a
 [slots, KVH, D] cache. The trainer passes its packed K/V as a cache with
-page_size 1. `attention_ref` in `attention.py` is the portable (CPU) version of
-the same contract; the two use different reduction trees and are compared with
-a tolerance, each against float64.
+page_size 1. `paged_attention_ref` in `attention.py` is the portable (CPU)
+version of the same contract; the two use different reduction trees and are
+compared with a tolerance, each against float64. Both are reached through the
+one op `samebits::paged_attention` (`samebits.model.attention`).
 
 Shapes: T = query tokens, H = query heads, KVH = kv heads, G = H // KVH,
 D = head dim, B = sequences.
@@ -30,8 +31,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-
-from samebits.kernels.attention import Packing
 
 BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 64, 4, 2
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -185,6 +184,34 @@ def attention(
     return out
 
 
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [slots, KVH, D]
+    v_cache: torch.Tensor,  # [slots, KVH, D]
+    block_table: torch.Tensor,  # [B, pages] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    query_lens: torch.Tensor,  # [B] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    max_query_len: int,
+    scale: float,
+    block_size: int,
+) -> torch.Tensor:
+    """`attention` with the arguments of `samebits::paged_attention` (and of
+    `paged_attention_ref`): the CUDA implementation of that op."""
+    return attention(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        query_start_loc[:-1],
+        query_lens,
+        seq_lens,
+        max_query_len,
+        scale,
+        block_size,
+    )
+
+
 def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Raise ValueError unless q [T, H, D] and k/v [S, KVH, D] suit `attention_kernel`."""
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[2] != k.shape[2]:
@@ -203,59 +230,3 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.stride(2) != 1:
             raise ValueError(f"attention (Triton): {name} must be contiguous in head_dim")
-
-
-def varlen_attention(
-    q: torch.Tensor,  # [S, H, D]
-    k: torch.Tensor,  # [S, KVH, D]
-    v: torch.Tensor,  # [S, KVH, D]
-    bounds: list[tuple[int, int]] | Packing,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention within packed sequences (start, end) of one row -> [S, H, D].
-
-    The trainer's path: the packed K/V are the cache (page_size 1), so each row
-    runs the same kernel, with the same blocks, as the engine's paged path.
-    """
-    pk = bounds if isinstance(bounds, Packing) else Packing.of(bounds, q.device)
-    return attention(q, k, v, pk.table, pk.starts, pk.lens, pk.lens, pk.longest, scale, 1)
-
-
-class _PackedAttention(torch.autograd.Function):
-    """Forward: the batch-invariant kernel. Backward: sdpa's, per sequence, on the same
-    function (gradients carry no bitwise contract). Inputs are 4-d and K/V heads repeated to
-    the query heads, so sdpa can take a fused kernel (3-d or `enable_gqa` inputs run math)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, packing, scale):
-        ctx.save_for_backward(q, k, v)
-        ctx.bounds, ctx.scale = packing.bounds, scale
-        return varlen_attention(q, k, v, packing, scale)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v = ctx.saved_tensors
-        group = q.shape[1] // k.shape[1]
-        grads = [torch.zeros_like(t) for t in (q, k, v)]
-        for start, end in ctx.bounds:
-            # [1, heads, n, D]: sdpa's fused kernels take 4-d inputs only (3-d runs its math path)
-            parts = [t[None, start:end].transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
-            with torch.enable_grad():
-                kv = [t.repeat_interleave(group, dim=1) for t in parts[1:]]  # [1, H, n, D]
-                out = torch.nn.functional.scaled_dot_product_attention(
-                    parts[0], *kv, is_causal=True, scale=ctx.scale
-                )
-                got = torch.autograd.grad(out, parts, grad_out[None, start:end].transpose(1, 2))
-            for g, part in zip(grads, got, strict=True):
-                g[start:end] = part[0].transpose(0, 1)
-        return grads[0], grads[1], grads[2], None, None
-
-
-def packed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[tuple[int, int]] | Packing, scale: float
-) -> torch.Tensor:
-    """`varlen_attention`, differentiable: q [S, H, D], k/v [S, KVH, D] -> [S, H, D]."""
-    pk = bounds if isinstance(bounds, Packing) else Packing.of(bounds, q.device)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _PackedAttention.apply(q, k, v, pk, scale)
-    return varlen_attention(q, k, v, pk, scale)

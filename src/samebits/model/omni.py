@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from samebits.model.attention import PagedAttentionMetadata
+from samebits.model.attention import AttentionBatch
 from samebits.model.omni_config import OmniConfig
 from samebits.model.qwen3_moe import Qwen3MoeModel
 from samebits.numerics import ops
@@ -42,7 +42,7 @@ class MultimodalRows:
 
 
 @dataclass(frozen=True)
-class OmniBatchMetadata(PagedAttentionMetadata):
+class OmniBatchMetadata(AttentionBatch):
     """Paged-attention metadata plus what the thinker needs: M-RoPE rows and encoder features."""
 
     mrope_positions: torch.Tensor | None = None  # [3, T] T/H/W positions

@@ -4,7 +4,7 @@ Numerics follow transformers' `modeling_qwen3_moe.py` op for op through the
 HF-order ops in `samebits.numerics.ops`; attention and experts use samebits'
 batch-invariant kernels, which the trainer's transformers model is given too.
 The model knows nothing of scheduling: it takes flat tokens [T], their
-positions and a `PagedAttentionMetadata`, and returns hidden states [T, H].
+positions and a `AttentionBatch`, and returns hidden states [T, H].
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from samebits.model.attention import PagedAttentionMetadata, paged_attention
+from samebits.model.attention import AttentionBatch, paged_attention
 from samebits.model.config import ModelConfig
 from samebits.numerics import ops
 
@@ -41,7 +41,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta: PagedAttentionMetadata, kv_cache):
+    def forward(self, x, cos, sin, meta: AttentionBatch, kv_cache):
         t = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(t, -1, self.head_dim))  # [T, H, D]
         k = self.k_norm(self.k_proj(x).view(t, -1, self.head_dim))  # [T, KVH, D]
@@ -123,7 +123,7 @@ class Qwen3MoeModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", ops.rotary_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
 
-    def forward(self, input_ids, meta: PagedAttentionMetadata, kv_caches):
+    def forward(self, input_ids, meta: AttentionBatch, kv_caches):
         hidden = self.embed_tokens(input_ids)  # [T, H]
         cos, sin = ops.rotary_cos_sin(hidden, meta.positions, self.inv_freq, 1.0)  # [T, D]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -142,7 +142,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, meta: PagedAttentionMetadata, kv_caches) -> torch.Tensor:
+    def forward(self, input_ids, meta: AttentionBatch, kv_caches) -> torch.Tensor:
         return self.model(input_ids, meta, kv_caches)  # [T, H]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@ rollout engine.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -15,7 +17,8 @@ from transformers import AttentionInterface
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.masking_utils import AttentionMaskInterface
 
-from samebits.kernels.attention import Packing, attention_ref, segment_bounds, varlen_attention
+from samebits.kernels.attention import segment_bounds
+from samebits.model.attention import AttentionBatch, attention, packed_attention
 from samebits.numerics.ops import experts
 
 NAME = "samebits"
@@ -40,7 +43,8 @@ def samebits_attention(module, query, key, value, attention_mask, scaling=None, 
     """AttentionInterface function: q [B, H, S, D], k/v [B, KVH, Sk, D] -> ([B, S, H, D], None).
 
     Packed sequences are found from `position_ids` restarting (use_cache=False);
-    with a KV cache (Sk > S) the queries are the last S positions.
+    with a KV cache (Sk > S) the queries are the last S positions. Each row of the
+    batch runs the engine's op over an `AttentionBatch` with page size 1.
     """
     if dropout:
         raise ValueError("samebits attention has no dropout; set attention_dropout=0")
@@ -57,63 +61,49 @@ def samebits_attention(module, query, key, value, attention_mask, scaling=None, 
     v = value.transpose(1, 2)
     b, s = q.shape[:2]
     sk = k.shape[1]
-    position_ids = kwargs.get("position_ids")
-    if q.is_cuda:
-        return _attention_cuda(q, k, v, position_ids, scale), None
-    outs = []
-    for i in range(b):
-        if sk != s or position_ids is None:
-            q_pos = torch.arange(sk - s, sk, device=q.device).view(1, s)
-            outs.append(attention_ref(q[i : i + 1], k[i : i + 1], v[i : i + 1], q_pos, scale)[0])
-        else:
-            pos = position_ids[i if position_ids.shape[0] == b else 0]
-            outs.append(varlen_attention(q[i], k[i], v[i], pos, scale))
-    return torch.stack(outs), None
+    if sk != s:  # queries are the last s positions over a cache of sk keys: inference only
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise ValueError(
+                "samebits attention trains on packed rows only: call the model with use_cache=False"
+            )
+        batch = AttentionBatch.build([range(sk)], [sk - s], [s], 1, q.device)
+        return torch.stack([attention(q[i], k[i], v[i], batch, scale) for i in range(b)]), None
+    batches = _row_batches(kwargs.get("position_ids"), b, s, q.device)
+    return torch.stack([packed_attention(q[i], k[i], v[i], batches[i], scale) for i in range(b)]), None
 
 
-def _attention_cuda(q, k, v, position_ids, scale):
-    """The Triton kernel the engine runs, row by row of the batch; q [B, S, H, D]."""
-    from samebits.kernels.attention_triton import packed_attention
-
-    b, s = q.shape[:2]
-    sk = k.shape[1]
-    dev = q.device
-    if sk != s:  # queries are the last s positions over a cache of sk keys
-        return torch.stack([_over_cache(q[i], k[i], v[i], scale) for i in range(b)])
+def _row_batches(position_ids, b: int, s: int, device) -> list[AttentionBatch]:
+    """One packed `AttentionBatch` per row of a [B, S] forward (one sequence per row without
+    position_ids)."""
     if position_ids is None:
-        packings = [Packing.of([(0, s)], dev)] * b
-    else:
-        packings = _packings(position_ids)
-        if len(packings) not in (1, b):
-            raise ValueError(f"position_ids {tuple(position_ids.shape)} do not match a batch of {b} rows")
-        packings = packings * b if len(packings) == 1 else packings
-    return torch.stack([packed_attention(q[i], k[i], v[i], packings[i], scale) for i in range(b)])
+        return [_whole_row(s, device)] * b
+    batches = _packings(position_ids)
+    if len(batches) not in (1, b):
+        raise ValueError(f"position_ids {tuple(position_ids.shape)} do not match a batch of {b} rows")
+    return batches * b if len(batches) == 1 else batches
 
 
-def _over_cache(q, k, v, scale):
-    """One row: q [s, H, D] are the last s positions over k/v [sk, KVH, D]."""
-    from samebits.kernels.attention_triton import attention
-
-    s, sk, dev = q.shape[0], k.shape[0], q.device
-    table = torch.arange(sk, dtype=torch.int32, device=dev)[None]
-    zero, queries, keys = (torch.tensor([x], dtype=torch.int32, device=dev) for x in (0, s, sk))
-    return attention(q.contiguous(), k.contiguous(), v.contiguous(), table, zero, queries, keys, s, scale, 1)
+@functools.lru_cache(maxsize=64)
+def _whole_row(s: int, device) -> AttentionBatch:
+    return AttentionBatch.packed([s], device)
 
 
-# position_ids tensor -> (its version, one Packing per row). transformers hands every layer the
-# same position_ids object, so a packed forward reads the positions to the host (a device sync)
-# once instead of once per layer; the version check notices an in-place change.
+# position_ids tensor -> (its version, one AttentionBatch per row). transformers hands every layer
+# the same position_ids object, so a packed forward reads the positions to the host (a device
+# sync) once instead of once per layer; the version check notices an in-place change.
 _PACKINGS = WeakTensorKeyDictionary()
 
 
-def _packings(position_ids: torch.Tensor) -> list[Packing]:
+def _packings(position_ids: torch.Tensor) -> list[AttentionBatch]:
     hit = _PACKINGS.get(position_ids)
     if hit is not None and hit[0] == position_ids._version:
         return hit[1]
     rows = position_ids.view(-1, position_ids.shape[-1])
-    packings = [Packing.of(segment_bounds(row), position_ids.device) for row in rows]
-    _PACKINGS[position_ids] = (position_ids._version, packings)
-    return packings
+    batches = [
+        AttentionBatch.packed([e - s for s, e in segment_bounds(row)], position_ids.device) for row in rows
+    ]
+    _PACKINGS[position_ids] = (position_ids._version, batches)
+    return batches
 
 
 def samebits_mask(*args, attention_mask=None, **kwargs):
