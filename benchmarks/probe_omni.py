@@ -84,7 +84,7 @@ def write_random_thinker(path: Path, layers: int, seed: int, device: str) -> Pat
 
 
 def real_prompts(seed: int) -> dict:
-    from samebits.engine.multimodal import MultimodalPrompt
+    from samebits.requests import MultimodalPrompt
 
     g = torch.Generator().manual_seed(seed)
     text = lambda n: torch.randint(1000, 150000, (n,), generator=g).tolist()  # noqa: E731
