@@ -96,7 +96,7 @@ class EngineConfig:
 
 
 class LLM:
-    """A rollout engine over a local HF checkpoint directory (Qwen3-MoE, or the Qwen3-Omni thinker).
+    """A rollout engine over a local HF checkpoint directory of a model family in `model/families.py`.
 
     >>> llm = LLM("ckpt", device="cpu", dtype="bfloat16", max_num_seqs=8)
     >>> outs = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, seed=0))
