@@ -1,6 +1,7 @@
 """The Qwen3-Omni thinker parity probe: text, image, video (and mixed) prompts, bitwise.
 
     python benchmarks/probe_omni.py --layers 48 --tokens 200 --out probe_omni.json   # CUDA
+    python benchmarks/probe_omni.py --layers 48 --no-cuda-graphs                        # eager decode
     python benchmarks/probe_omni.py --tiny --device cpu                                # tiny, CPU
 
 Writes a random thinker-only checkpoint at the Qwen3-Omni-30B-A3B thinker shape (text:
@@ -9,7 +10,8 @@ the released vision and audio encoder shapes) under transformers 5.x names, or w
 the test suite's tiny Omni checkpoint (released layout, thinker.* beside talker.*). Then:
 rollout each prompt alone and all batched; trainer (transformers' thinker, samebits experts
 and attention) one at a time and packed; the negative control: the rollout with deepstack
-added into the split residual, which must mismatch on the visual prompts.
+added into the split residual, which must mismatch on the visual prompts. Prints the median
+wall time of a decode step of the batched rollout (CUDA graphs unless --no-cuda-graphs).
 
 Disk and memory: 48 layers are ~61 GB of bf16 weights on disk and on the device (the rollout
 is freed before the trainer loads); pass --dir on a disk with room.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
 from pathlib import Path
 
@@ -84,7 +87,7 @@ def write_random_thinker(path: Path, layers: int, seed: int, device: str) -> Pat
 
 
 def real_prompts(seed: int) -> dict:
-    from samebits.engine.multimodal import MultimodalPrompt
+    from samebits.requests import MultimodalPrompt
 
     g = torch.Generator().manual_seed(seed)
     text = lambda n: torch.randint(1000, 150000, (n,), generator=g).tolist()  # noqa: E731
@@ -133,7 +136,30 @@ def tiny_prompts() -> dict:
     }
 
 
-def run(path, prompts: dict, device: str, tokens: int, seed: int, log=print):
+def timed_decode_steps(llm, prompts, params):
+    """llm.generate's outputs and the wall time (ms) of each decode step (every chunk one token)."""
+    runner, times = llm.runner, []
+    run = runner.run
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+
+    def timed(batch, reqs):
+        if not all(c.num_tokens == 1 for c in batch.chunks):
+            return run(batch, reqs)
+        sync()
+        t0 = time.perf_counter()
+        out = run(batch, reqs)
+        sync()
+        times.append(1000 * (time.perf_counter() - t0))
+        return out
+
+    runner.run = timed
+    try:
+        return llm.generate(prompts, params), times
+    finally:
+        del runner.run
+
+
+def run(path, prompts: dict, device: str, tokens: int, seed: int, log=print, cuda_graphs: bool = True):
     """-> list of verify.ArmResult: alone vs batched, trainer one-at-a-time / packed, the negative control."""
     from samebits import LLM, SamplingParams, batch_invariant, trainer
     from samebits.model.omni import SplitResidualDeepstackTextModel, ThinkerTextModel
@@ -145,10 +171,15 @@ def run(path, prompts: dict, device: str, tokens: int, seed: int, log=print):
         for i in range(len(plist))
     ]
     max_len = max(len(p.prompt_token_ids) for p in plist) + tokens
-    llm = LLM(path, device=device, max_num_seqs=8, max_model_len=max_len)
+    llm = LLM(path, device=device, max_num_seqs=8, max_model_len=max_len, cuda_graphs=cuda_graphs)
     t0 = time.perf_counter()
-    batched = llm.generate(plist, params)
+    batched, steps = timed_decode_steps(llm, plist, params)
     log(f"rollout batched: {time.perf_counter() - t0:.1f} s")
+    mode = "CUDA graphs" if llm.runner.graphs is not None else "eager"
+    log(
+        f"decode step ({len(plist)} sequences, {mode}): median {statistics.median(steps):.2f} ms, "
+        f"min {min(steps):.2f} ms over {len(steps)} steps"
+    )
     alone = [llm.generate([p], [sp])[0] for p, sp in zip(plist, params, strict=True)]
     text_model = llm.model.model.language_model
     text_model.__class__ = (
@@ -201,6 +232,12 @@ def main() -> None:
     p.add_argument(
         "--tiny", action="store_true", help="the tiny Omni test checkpoint instead of the real shape"
     )
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode in CUDA graphs (on CUDA; default) or eagerly",
+    )
     p.add_argument("--dir", default="/tmp/samebits-probe-omni")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -218,7 +255,7 @@ def main() -> None:
         )
     print(f"checkpoint at {path} in {time.time() - t0:.0f} s", flush=True)
     t0 = time.time()
-    results = run(path, prompts, args.device, args.tokens, args.seed)
+    results = run(path, prompts, args.device, args.tokens, args.seed, cuda_graphs=args.cuda_graphs)
     print(f"probe: {time.time() - t0:.0f} s", flush=True)
     verify.print_table(results)
     for r in results:

@@ -10,7 +10,6 @@ import torch
 
 from samebits import LLM, SamplingParams, batch_invariant, trainer
 from samebits.engine.llm import tensor_digest
-from samebits.engine.multimodal import MultimodalPrompt
 from samebits.engine.scheduler import ScheduledBatch, ScheduledChunk
 from samebits.engine.sequence import Sequence
 from samebits.model.config import UnsupportedCheckpointError
@@ -23,6 +22,7 @@ from samebits.model.tiny_omni import (
     image_part,
     make_prompt,
 )
+from samebits.requests import MultimodalPrompt
 
 MAX_LEN = 160
 
@@ -162,8 +162,6 @@ def _disk_names(path) -> set[str]:
 def test_unsupported_thinker_configs_refused(ckpts, tmp_path):
     import shutil
 
-    with pytest.raises(ValueError, match="'exact' only"):
-        LLM(ckpts["thinker"], max_model_len=64, numerics="fast")
     path = shutil.copytree(ckpts["thinker"], tmp_path / "bad")
     cfg = json.loads((path / "config.json").read_text())
     cfg["text_config"]["rope_parameters"]["mrope_section"] = [4, 4, 5]
@@ -184,7 +182,7 @@ def test_decode_positions_continue_as_transformers(ckpts, rollout):
     llm = rollout[0]
     model = trainer.load_hf_thinker(ckpts["full"])
     for kind in ("image", "video", "mixed"):
-        state = llm.omni.state(0, PROMPTS[kind], PROMPTS[kind].prompt_token_ids)
+        state = llm.family.prepare(0, PROMPTS[kind], PROMPTS[kind].prompt_token_ids)
         p = state.positions.shape[1]
         model.model.rope_deltas = state.rope_delta.view(1, 1)
         for j in (p, p + 7):
@@ -240,17 +238,16 @@ def test_negative_control_split_residual_differs_from_visual_rows_on(rollout):
     """Prefill hidden states: identical before the first visual row, different on and after it."""
     llm = rollout[0]
     prompt = PROMPTS["image"]
-    state = llm.omni.state(0, prompt, prompt.prompt_token_ids)
+    state = llm.family.prepare(0, prompt, prompt.prompt_token_ids)
     hidden = {}
     for cls in (ThinkerTextModel, SplitResidualDeepstackTextModel):
         seq = Sequence(0, 0, prompt.prompt_token_ids, SamplingParams())
-        seq.multimodal, seq.block_table = state, list(range(4))
+        seq.family_state, seq.block_table = state, list(range(4))
         batch = ScheduledBatch([ScheduledChunk(seq, 0, seq.num_tokens)])
         llm.model.model.language_model.__class__ = cls
         try:
-            ids, meta, _ = llm.runner.prepare(batch)
             with torch.inference_mode(), batch_invariant():
-                hidden[cls] = llm.model(ids, meta, llm.runner.kv_caches)
+                hidden[cls], _ = llm.runner.forward(batch)
         finally:
             llm.model.model.language_model.__class__ = ThinkerTextModel
     first = int(state.visual_index[0])
@@ -318,4 +315,4 @@ def test_placeholders_never_sampled(ckpts):
     out = llm.generate(
         [PROMPTS["text"]], [SamplingParams(temperature=5.0, max_tokens=120, ignore_eos=True, seed=0)]
     )
-    assert not set(out[0].token_ids) & set(llm.omni.never_sample)
+    assert not set(out[0].token_ids) & set(llm.family.never_sample)

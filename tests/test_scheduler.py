@@ -8,9 +8,9 @@ import weakref
 import pytest
 
 from samebits.engine.block_manager import BlockManager
-from samebits.engine.sampling_params import SamplingParams
 from samebits.engine.scheduler import Scheduler
 from samebits.engine.sequence import Sequence, SequenceStatus
+from samebits.requests import SamplingParams
 
 
 def _seq(i, n_prompt, **kw):

@@ -10,15 +10,16 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "samebits.engine.llm",
+    "MultimodalPrompt": "samebits.requests",
     "RequestOutput": "samebits.engine.llm",
-    "SamplingParams": "samebits.engine.sampling_params",
+    "SamplingParams": "samebits.requests",
     "batch_invariant": "samebits.numerics.batch_invariant",
 }
 
 if TYPE_CHECKING:
     from samebits.engine.llm import LLM, RequestOutput
-    from samebits.engine.sampling_params import SamplingParams
     from samebits.numerics.batch_invariant import batch_invariant
+    from samebits.requests import MultimodalPrompt, SamplingParams
 
 
 def __getattr__(name: str):
@@ -29,4 +30,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'samebits' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "batch_invariant", "__version__"]
+__all__ = ["LLM", "MultimodalPrompt", "RequestOutput", "SamplingParams", "batch_invariant", "__version__"]

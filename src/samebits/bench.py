@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 
 from samebits.engine.sampler import SampleRequest
-from samebits.engine.sampling_params import SamplingParams
 from samebits.engine.scheduler import ScheduledBatch, ScheduledChunk
 from samebits.engine.sequence import Sequence
 from samebits.model.config import ModelConfig
 from samebits.numerics.profile import PROFILES
 from samebits.plotting import pyplot
+from samebits.requests import SamplingParams
 
 ARMS = ("exact", "fast", "hf", "trainer")
 QWEN3_30B_A3B = dict(

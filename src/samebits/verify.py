@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from samebits.engine.llm import LLM
-from samebits.engine.sampling_params import SamplingParams
 from samebits.numerics.batch_invariant import batch_invariant
+from samebits.requests import SamplingParams
 
 DEFAULT_PROMPT_LENS = (10, 16, 16, 24)
 

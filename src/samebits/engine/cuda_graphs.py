@@ -1,7 +1,10 @@
 """Decode steps captured in CUDA graphs, one per padded batch size.
 
-A decode step (every sequence feeds exactly one token) of B sequences replays
-the graph of the smallest captured size >= B. The padding rows feed token 0 at
+A decode step (every sequence feeds exactly one token and the model family has no
+extra inputs for it) of B sequences replays the graph of the smallest captured
+size >= B. Its inputs are static buffers: token ids, cache slots, block tables,
+and the family's rotary positions ([N], or [3, N] T/H/W rows for M-RoPE), filled
+from `family.positions` before every replay. The padding rows feed token 0 at
 position 0, write their K/V into a dummy cache block that no sequence owns and
 attend over that one key. Every kernel in the forward is batch invariant, so a
 real row's bits are the same in the padded graph as in an eager step of B rows
@@ -39,6 +42,7 @@ class DecodeGraphs:
         self.q_start = torch.arange(n + 1, dtype=torch.int32, device=dev)  # query_start_loc
         self.q_len = torch.ones(n, dtype=torch.int32, device=dev)
         self.temps = torch.ones(n, dtype=torch.float32, device=dev)
+        self.positions = None  # [N] or [3, N], the family's shape and dtype, made at the first fill
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.pool = None
 
@@ -54,9 +58,13 @@ class DecodeGraphs:
             return None
         return next((s for s in self.sizes if s >= len(batch.chunks)), None)
 
-    def run(self, batch: ScheduledBatch, size: int, reqs: list[SampleRequest]) -> list[tuple[int, float]]:
-        """(token, log-prob) of the batch's B sequences, from the graph of `size` rows."""
+    def run(
+        self, batch: ScheduledBatch, size: int, reqs: list[SampleRequest], positions: torch.Tensor
+    ) -> list[tuple[int, float]]:
+        """(token, log-prob) of the batch's B sequences, from the graph of `size` rows;
+        `positions` [B] or [3, B]: the family's rotary positions of the B tokens."""
         self._fill(batch, size, reqs)
+        self._fill_positions(positions, size)
         if size not in self.graphs:
             self.graphs[size] = self._capture(size)
         graph, (logits, tokens, chosen) = self.graphs[size]
@@ -80,7 +88,8 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> tuple[torch.Tensor, ...]:
         model = self.runner.model
-        hidden = model(self.i64[0, :size], self._meta(size), self.runner.kv_caches)
+        positions = self.positions[..., :size]
+        hidden = model(self.i64[0, :size], positions, self._meta(size), self.runner.kv_caches)
         logits = model.compute_logits(hidden)
         keys = self.i64[3:5, :size].t()
         tokens, chosen = sample_plain(logits, self.temps[:size], keys, self.i64[5, :size] != 0)
@@ -122,3 +131,14 @@ class DecodeGraphs:
         )
         self.ctx_len[:size].copy_(torch.tensor(ctx + [1] * pad, dtype=torch.int32))
         self.temps[:size].copy_(torch.cat([temps, torch.ones(pad)]))
+
+    def _fill_positions(self, positions: torch.Tensor, size: int) -> None:
+        """Copy the B rows' positions into the static buffer; padding rows get position 0."""
+        if self.positions is None:
+            n = max(self.sizes)
+            self.positions = torch.zeros(
+                *positions.shape[:-1], n, dtype=positions.dtype, device=self.runner.device
+            )
+        padded = torch.zeros(*positions.shape[:-1], size, dtype=positions.dtype)
+        padded[..., : positions.shape[-1]] = positions
+        self.positions[..., :size].copy_(padded)

@@ -15,18 +15,13 @@ import torch
 
 from samebits.engine.block_manager import BlockManager
 from samebits.engine.cuda_graphs import graph_sizes
-from samebits.engine.multimodal import as_multimodal
 from samebits.engine.runner import ModelRunner
 from samebits.engine.sampler import SampleRequest
-from samebits.engine.sampling_params import SamplingParams
 from samebits.engine.scheduler import Scheduler
 from samebits.engine.sequence import Sequence as Seq
-from samebits.model.config import ModelConfig
-from samebits.model.loader import load_state_dict, shared_state_dict
-from samebits.model.omni_config import is_omni_checkpoint
-from samebits.model.qwen3_moe import Qwen3MoeForCausalLM
-from samebits.numerics.ops import rotary_inv_freq
+from samebits.model.families import family_for
 from samebits.numerics.profile import PROFILES
+from samebits.requests import SamplingParams, as_multimodal
 
 NUMERICS = tuple(PROFILES)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -102,7 +97,7 @@ class EngineConfig:
 
 
 class LLM:
-    """A rollout engine over a local HF Qwen3-MoE checkpoint directory.
+    """A rollout engine over a local HF checkpoint directory of a model family in `model/families.py`.
 
     >>> llm = LLM("ckpt", device="cpu", dtype="bfloat16", max_num_seqs=8)
     >>> outs = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, seed=0))
@@ -120,44 +115,30 @@ class LLM:
         config; each tensor must be contiguous, of the engine's dtype and on its device.
         """
         self.engine = EngineConfig(**engine_kwargs)
-        dtype = self.engine.torch_dtype
         self.path = Path(model)
-        self.omni = None  # an OmniFrontend for a Qwen3-Omni checkpoint (docs/omni.md)
-        if is_omni_checkpoint(self.path):
-            from samebits.engine.omni import OmniFrontend
-
-            if self.engine.numerics != "exact":
-                raise ValueError(f"numerics {self.engine.numerics!r}: the Qwen3-Omni thinker runs 'exact' only")
-            if weights is not None:
-                raise ValueError("weights=: shared weights are not supported for the Qwen3-Omni thinker")
-            self.omni = OmniFrontend(self.path, dtype, self.engine.device)
-            self.config, state = self.omni.config.text, None
-        elif weights is not None:
-            self.config = ModelConfig.from_pretrained(self.path)
-            state = shared_state_dict(self.config, weights, dtype, self.engine.device)
-        else:
-            self.config, state = load_state_dict(self.path, dtype=dtype, device=self.engine.device)
+        self.family = family_for(self.path).load(  # the only thing that knows the model (model/family.py)
+            self.path,
+            dtype=self.engine.torch_dtype,
+            device=self.engine.device,
+            weights=weights,
+        )
+        self.config, self.model = self.family.config, self.family.model
         if self.engine.max_model_len > self.config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({self.engine.max_model_len}) exceeds the model's "
                 f"max_position_embeddings ({self.config.max_position_embeddings})"
             )
-        profile = PROFILES[self.engine.numerics]
-        device = self.engine.device
-        self.model = self.omni.model if self.omni else _build_model(self.config, state, device)
-        del state
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         num_blocks = self.engine.resolved_num_blocks()
-        self.runner = (ModelRunner if self.omni is None else _omni_runner())(
-            self.model,
-            self.config,
+        self.runner = ModelRunner(
+            self.family,
             num_blocks,
             self.engine.block_size,
             self.engine.device,
-            dtype,
-            graph_sizes=self.engine.graph_sizes() if self.omni is None else (),  # Omni decode: eager
+            self.engine.torch_dtype,
+            graph_sizes=self.engine.graph_sizes(),
             max_model_len=self.engine.max_model_len,
-            profile=profile,
+            profile=PROFILES[self.engine.numerics],
         )
         self.block_manager = BlockManager(num_blocks, self.engine.block_size)
         self.scheduler = Scheduler(
@@ -190,12 +171,12 @@ class LLM:
         token_lists = [
             self._validate(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, per_request, strict=True))
         ]
-        states = self._multimodal_states(prompts, token_lists)
+        states = self._prepare_states(prompts, token_lists)
         seqs = [
             self._new_seq(i, ids, sp) for i, (ids, sp) in enumerate(zip(token_lists, per_request, strict=True))
         ]
         for seq, state in zip(seqs, states, strict=True):
-            seq.multimodal = state
+            seq.family_state = state
         for seq in seqs:
             self.scheduler.add(seq)
         try:
@@ -228,8 +209,6 @@ class LLM:
             mm = as_multimodal(prompt)
         except ValueError as e:
             raise ValueError(f"request {i}: {e}") from e
-        if mm is not None and self.omni is None:
-            raise ValueError(f"request {i}: a multimodal prompt needs a Qwen3-Omni checkpoint")
         prompt = prompt if mm is None else mm.prompt_token_ids
         ids = self._tokenize(i, prompt) if isinstance(prompt, str) else prompt
         if not isinstance(ids, Sequence) or not all(_is_int(t) for t in ids):
@@ -271,13 +250,10 @@ class LLM:
                 ) from e
         return self._tokenizer(text)["input_ids"]
 
-    def _multimodal_states(self, prompts, token_lists) -> list:
-        """Each request's multimodal state (Omni checkpoints only), checked before anything runs."""
-        if self.omni is None:
-            return [None] * len(prompts)
+    def _prepare_states(self, prompts, token_lists) -> list:
+        """Each request's state from the model family, checked before anything runs."""
         return [
-            self.omni.state(i, as_multimodal(p), ids)
-            for i, (p, ids) in enumerate(zip(prompts, token_lists, strict=True))
+            self.family.prepare(i, p, ids) for i, (p, ids) in enumerate(zip(prompts, token_lists, strict=True))
         ]
 
     def _new_seq(self, i: int, ids: list[int], sp: SamplingParams) -> Seq:
@@ -313,8 +289,7 @@ class LLM:
         if seq.num_output_tokens < sp.min_tokens:
             stops = tuple(sp.stop_token_ids or ())
             banned = stops + (() if sp.ignore_eos else tuple(self.config.eos_token_id))
-        if self.omni is not None:
-            banned += self.omni.never_sample
+        banned += self.family.never_sample
         return SampleRequest(sp, seq.seed, seq.num_output_tokens, banned)
 
     # -- colocation -----------------------------------------------------------------------
@@ -402,27 +377,6 @@ def _check_device(device: str) -> None:
     major, _ = torch.cuda.get_device_capability(dev)
     if major < 8:
         raise ValueError(f"device {device!r} is sm_{major}x; samebits' Triton kernels need sm_80 or newer")
-
-
-def _omni_runner():
-    from samebits.engine.omni_runner import OmniModelRunner
-
-    return OmniModelRunner
-
-
-def _build_model(cfg: ModelConfig, state: dict, device: str) -> Qwen3MoeForCausalLM:
-    with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(cfg)
-    model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.inv_freq = rotary_inv_freq(cfg.head_dim, cfg.rope_theta)
-    model = model.to(device)
-    leftover = [n for n, p in model.named_parameters() if p.is_meta]
-    if leftover:
-        raise RuntimeError(f"parameters not loaded: {leftover[:10]}")
-    model.requires_grad_(False)
-    return model.eval()
 
 
 def _output(seq: Seq) -> RequestOutput:

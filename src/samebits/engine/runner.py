@@ -1,9 +1,10 @@
 """The only room that touches the device: the model, the KV cache, one step.
 
-A step turns a `ScheduledBatch` into flat tokens [T], a
-`AttentionBatch`, one forward under the model's numerics profile
+A step turns a `ScheduledBatch` into flat tokens [T], an
+`AttentionBatch`, the model family's positions and step inputs
+(`model/family.py`), one forward under the model's numerics profile
 (`batch_invariant()` when exact), logits for the rows that sample, and sampled
-(token, log-prob) pairs.
+(token, log-prob) pairs. The runner does not know which family it runs.
 """
 
 from __future__ import annotations
@@ -14,15 +15,14 @@ from samebits.engine.cuda_graphs import DecodeGraphs
 from samebits.engine.sampler import SampleRequest, sample
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.model.attention import AttentionBatch
-from samebits.model.config import ModelConfig
+from samebits.model.family import ModelFamily, Span
 from samebits.numerics.profile import EXACT, Profile
 
 
 class ModelRunner:
     def __init__(
         self,
-        model,
-        cfg: ModelConfig,
+        family: ModelFamily,
         num_blocks: int,
         block_size: int,
         device,
@@ -31,9 +31,10 @@ class ModelRunner:
         max_model_len: int = 0,
         profile: Profile = EXACT,
     ):
-        self.model = model
+        self.family = family
+        self.model = family.model
         self.profile = profile  # entered around each step: selects the ops' implementations
-        self.cfg = cfg
+        self.cfg = cfg = family.config
         self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = dtype
@@ -72,16 +73,25 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, reqs: list[SampleRequest]) -> list[tuple[int, float]]:
         """One forward; (token, log-prob) for each sampling chunk, in chunk order."""
-        size = self.graphs.size_for(batch) if self.graphs is not None else None
+        spans = spans_of(batch)
         with self.profile.context():
+            step = self.family.step_inputs(spans)  # {} for a plain token step (every decode step)
+            size = self.graphs.size_for(batch) if self.graphs is not None and not step else None
             if size is not None:
-                return self.graphs.run(batch, size, reqs)
-            input_ids, meta, sample_rows = self.prepare(batch)
-            hidden = self.model(input_ids, meta, self.kv_caches)  # [T, H]
+                return self.graphs.run(batch, size, reqs, self.family.positions(spans))
+            hidden, sample_rows = self.forward(batch, spans, step)
             if not sample_rows:
                 return []
             logits = self.model.compute_logits(hidden[sample_rows])  # [N, V]
             return sample(logits, reqs)
+
+    def forward(self, batch: ScheduledBatch, spans: list[Span] | None = None, step: dict | None = None):
+        """The eager forward of a step -> hidden [T, H] and the row in T of each chunk that samples."""
+        spans = spans_of(batch) if spans is None else spans
+        step = self.family.step_inputs(spans) if step is None else step
+        input_ids, meta, sample_rows = self.prepare(batch)
+        positions = self.family.positions(spans).to(self.device, non_blocking=True)  # [T] or [3, T]
+        return self.model(input_ids, positions, meta, self.kv_caches, **step), sample_rows
 
     # -- colocation: a trainer on the same device steps while the KV cache is released ------
 
@@ -106,3 +116,8 @@ class ModelRunner:
             )
             for _ in range(self.cfg.num_hidden_layers)
         ]
+
+
+def spans_of(batch: ScheduledBatch) -> list[Span]:
+    """Each chunk as the family sees it: its request's state and token indices."""
+    return [Span(c.seq.family_state, c.start, c.start + c.num_tokens) for c in batch.chunks]

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from samebits.engine.sampling_params import SamplingParams
 from samebits.numerics.ops import reported_logprobs
+from samebits.requests import SamplingParams
 
 _MASK64 = (1 << 63) - 1
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from samebits.engine.sampling_params import SamplingParams
+from samebits.requests import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -35,7 +35,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.finish_reason: str | None = None
         self.num_preemptions = 0
-        self.multimodal = None  # a MultimodalState for Qwen3-Omni requests (engine/multimodal.py)
+        self.family_state = None  # what the model family's `prepare` made of the prompt (None: text)
 
     @property
     def num_tokens(self) -> int:

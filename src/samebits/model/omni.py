@@ -4,10 +4,11 @@ deepstack, fed by transformers' own audio and vision encoders.
 Parameter names are those of transformers' `Qwen3OmniMoeThinkerForConditionalGeneration`
 (`model.language_model.layers.0...`, `model.visual.blocks.0...`,
 `model.audio_tower.layers.0...`, `lm_head.weight`), so the trainer's
-`named_parameters()` sync without conversion. The text decoder follows
+`named_parameters()` sync without conversion. The text decoder is the Qwen3-MoE text
+model fed `inputs_embeds`, with M-RoPE and deepstack added, following
 `Qwen3OmniMoeThinkerTextModel.forward` op for op:
 
-    hidden = embed(ids), encoder features copied in at placeholder rows
+    hidden = embed(ids), encoder features copied in at placeholder rows   (inputs_embeds)
     cos, sin = mrope_cos_sin(T/H/W positions)
     for each layer i: hidden = layer(hidden); if i < len(deepstack):
         hidden = deepstack_add(hidden, visual rows, deepstack[i])   # (residual + mlp) + deepstack
@@ -41,59 +42,49 @@ class MultimodalRows:
     deepstack: tuple[torch.Tensor, ...]  # per deepstack layer: [V, H], V = visual_mask.sum()
 
 
-@dataclass(frozen=True)
-class OmniBatchMetadata(AttentionBatch):
-    """Paged-attention metadata plus what the thinker needs: M-RoPE rows and encoder features."""
-
-    mrope_positions: torch.Tensor | None = None  # [3, T] T/H/W positions
-    multimodal: MultimodalRows | None = None
-
-
 class ThinkerTextModel(Qwen3MoeModel):
-    """transformers' `Qwen3OmniMoeThinkerTextModel` (same layers as Qwen3-MoE)."""
+    """transformers' `Qwen3OmniMoeThinkerTextModel`: the Qwen3-MoE text model, fed `inputs_embeds`
+    by the thinker, with M-RoPE positions [3, T] and deepstack after the first layers."""
 
     def __init__(self, cfg: OmniConfig):
         super().__init__(cfg.text)
         self.mrope_section = list(cfg.mrope_section)
 
-    def forward(self, input_ids, meta: OmniBatchMetadata, kv_caches):
-        hidden = self.embed_tokens(input_ids)  # [T, H]
-        mm = meta.multimodal
-        if mm is not None and mm.rows.numel():
-            hidden = hidden.index_put((mm.rows,), mm.embeds.to(hidden.dtype))  # HF: masked_scatter, a copy
-        cos, sin = ops.mrope_cos_sin(hidden, meta.mrope_positions, self.inv_freq, 1.0, self.mrope_section)
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            hidden = self._layer(i, layer, hidden, cos, sin, meta, kv_cache)
-        return self.norm(hidden)
+    def rotary(self, hidden, positions):  # positions [3, T] T/H/W rows -> cos, sin [T, D]
+        return ops.mrope_cos_sin(hidden, positions, self.inv_freq, 1.0, self.mrope_section)
 
-    def _layer(self, i, layer, hidden, cos, sin, meta, kv_cache):
+    def decoder_layer(self, i, layer, hidden, cos, sin, meta, kv_cache, multimodal=None):
         hidden = layer(hidden, cos, sin, meta, kv_cache)
-        mm = meta.multimodal
-        if mm is not None and i < len(mm.deepstack) and mm.deepstack[i].shape[0]:
-            hidden = ops.deepstack_add(hidden, mm.visual_mask, mm.deepstack[i])  # (residual + mlp) + ds
+        if _has_deepstack(multimodal, i):
+            hidden = ops.deepstack_add(
+                hidden, multimodal.visual_mask, multimodal.deepstack[i]
+            )  # (res + mlp) + ds
         return hidden
+
+
+def _has_deepstack(mm: MultimodalRows | None, i: int) -> bool:
+    return mm is not None and i < len(mm.deepstack) and mm.deepstack[i].shape[0] > 0
 
 
 class SplitResidualDeepstackTextModel(ThinkerTextModel):
     """The known trap, for negative controls only: deepstack folded into the split residual
     stream, `(residual + deepstack) + mlp` instead of transformers' `(residual + mlp) + deepstack`."""
 
-    def _layer(self, i, layer, hidden, cos, sin, meta, kv_cache):
-        mm = meta.multimodal
-        if mm is None or i >= len(mm.deepstack) or not mm.deepstack[i].shape[0]:
+    def decoder_layer(self, i, layer, hidden, cos, sin, meta, kv_cache, multimodal=None):
+        if not _has_deepstack(multimodal, i):
             return layer(hidden, cos, sin, meta, kv_cache)
         residual = hidden
         hidden = layer.self_attn(layer.input_layernorm(hidden), cos, sin, meta, kv_cache)
         norm = layer.post_attention_layernorm
         residual, hidden = ops.add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon)
-        residual = ops.deepstack_add(residual, mm.visual_mask, mm.deepstack[i])
+        residual = ops.deepstack_add(residual, multimodal.visual_mask, multimodal.deepstack[i])
         return residual + layer.mlp(hidden)
 
 
 class ThinkerModel(nn.Module):
     """transformers' `Qwen3OmniMoeThinkerModel`: encoders (None when the checkpoint has none) + text."""
 
-    def __init__(self, cfg: OmniConfig, has_vision: bool, has_audio: bool, text_model=ThinkerTextModel):
+    def __init__(self, cfg: OmniConfig, has_vision: bool, has_audio: bool):
         super().__init__()
         vision_cls, audio_cls = _encoder_classes()
         hf = cfg.hf_thinker_config()
@@ -107,26 +98,51 @@ class ThinkerModel(nn.Module):
             if has_vision
             else None
         )
-        self.language_model = text_model(cfg)
+        self.language_model = ThinkerTextModel(cfg)
 
 
 class Qwen3OmniThinker(nn.Module):
     """The rollout's thinker: `forward` runs the text decoder on one step, `encode_*` the encoders."""
 
-    def __init__(self, cfg: OmniConfig, has_vision: bool, has_audio: bool, text_model=ThinkerTextModel):
+    def __init__(self, cfg: OmniConfig, has_vision: bool, has_audio: bool):
         super().__init__()
         self.config = cfg.text
         self.omni = cfg
-        self.model = ThinkerModel(cfg, has_vision, has_audio, text_model)
+        self.model = ThinkerModel(cfg, has_vision, has_audio)
         self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
         if cfg.text.tie_word_embeddings:
             self.lm_head.weight = self.model.language_model.embed_tokens.weight
 
-    def forward(self, input_ids, meta: OmniBatchMetadata, kv_caches) -> torch.Tensor:
-        return self.model.language_model(input_ids, meta, kv_caches)  # [T, H]
+    def forward(
+        self,
+        input_ids,
+        positions,
+        meta: AttentionBatch,
+        kv_caches,
+        multimodal: MultimodalRows | None = None,
+    ) -> torch.Tensor:
+        """input_ids [T], positions [3, T], the step's encoder features -> hidden [T, H]."""
+        embeds = None if multimodal is None else self.embed_input_ids(input_ids, multimodal)
+        return self.model.language_model(
+            input_ids, positions, meta, kv_caches, inputs_embeds=embeds, multimodal=multimodal
+        )
+
+    def embed_input_ids(self, input_ids, multimodal: MultimodalRows) -> torch.Tensor:
+        """[T, H] token embeddings with the encoder features copied in at their rows."""
+        hidden = self.model.language_model.embed_tokens(input_ids)
+        return hidden.index_put((multimodal.rows,), multimodal.embeds.to(hidden.dtype))  # HF: masked_scatter
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [N, V] in the activation dtype, as transformers
+
+    def finish_load(self) -> None:
+        """After the weights are assigned: tie lm_head if configured; text rotary `inv_freq` and
+        the encoders' buffers from the CPU fp32 formulas, as the trainer's thinker gets them."""
+        text = self.model.language_model
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = text.embed_tokens.weight
+        text.inv_freq = ops.rotary_inv_freq(self.config.head_dim, self.config.rope_theta)
+        reset_encoder_buffers(self.model.visual, self.model.audio_tower)
 
     # -- encoders: the calls of transformers' Qwen3OmniMoeThinkerModel.get_*_features ------------
 
@@ -163,45 +179,6 @@ def reset_encoder_buffers(visual, audio_tower) -> None:
         pe = audio_tower.positional_embedding
         table = pe.compute_default_singular_positional_embedding().to(torch.float32)
         pe.positional_embedding = table.to(pe.positional_embedding.device)
-
-
-def build_thinker(cfg: OmniConfig, weights, device, text_model=ThinkerTextModel) -> Qwen3OmniThinker:
-    """The thinker on `device` with `weights` (an omni_loader.ThinkerWeights), frozen, eval."""
-    with torch.device("meta"):
-        model = Qwen3OmniThinker(cfg, weights.vision is not None, weights.audio is not None, text_model)
-    state = {_thinker_name(n): t for n, t in weights.text.items()}
-    for prefix, part in (("model.visual.", weights.vision), ("model.audio_tower.", weights.audio)):
-        state |= {prefix + n: t for n, t in (part or {}).items()}
-    model.load_state_dict(state, strict=False, assign=True)
-    if cfg.text.tie_word_embeddings:
-        model.lm_head.weight = model.model.language_model.embed_tokens.weight
-    text = model.model.language_model
-    text.inv_freq = ops.rotary_inv_freq(cfg.text.head_dim, cfg.text.rope_theta)
-    _materialise_meta_buffers(model)
-    reset_encoder_buffers(model.model.visual, model.model.audio_tower)
-    model = model.to(device)
-    leftover = [n for n, p in model.named_parameters() if p.is_meta]
-    if leftover:
-        raise RuntimeError(f"parameters not loaded: {leftover[:10]}")
-    model.requires_grad_(False)
-    return model.eval()
-
-
-def _thinker_name(text_name: str) -> str:
-    """Qwen3-MoE text name -> thinker name (`model.layers.0...` -> `model.language_model.layers.0...`)."""
-    return (
-        text_name
-        if text_name == "lm_head.weight"
-        else "model.language_model." + text_name.removeprefix("model.")
-    )
-
-
-def _materialise_meta_buffers(model: nn.Module) -> None:
-    """Empty CPU tensors for buffers still on meta (reset_encoder_buffers fills the ones that matter)."""
-    for module in model.modules():
-        for name, buf in list(module._buffers.items()):
-            if buf is not None and buf.is_meta:
-                module._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype)
 
 
 class RopeIndex:

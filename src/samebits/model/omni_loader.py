@@ -195,3 +195,55 @@ def _read_encoder(kind, prefix, on_disk, shapes, disk_of, handles, dtype, device
         n: handles[t.file].get_tensor(disk_of[prefix + n]).to(device=device, dtype=dtype)
         for n, t in found.items()
     }
+
+
+def shared_thinker_weights(cfg: OmniConfig, named_tensors, dtype: torch.dtype, device) -> ThinkerWeights:
+    """Shared weights (a colocated trainer's thinker `named_parameters()`), checked like a
+    checkpoint and kept as the given storage. Text names go through the Qwen3-MoE check
+    (`loader.shared_state_dict`, which names them as `model.layers...`); an encoder whose
+    tensors are all absent is absent, as for a checkpoint."""
+    text, encoders = [], {VISION: {}, AUDIO: {}}
+    for name, t in named_tensors:
+        if name.startswith(TEXT):
+            text.append(("model." + name.removeprefix(TEXT), t))
+        elif name == "lm_head.weight":
+            text.append((name, t))
+        elif name.startswith((VISION, AUDIO)):
+            prefix = VISION if name.startswith(VISION) else AUDIO
+            encoders[prefix][name.removeprefix(prefix)] = t
+        else:
+            raise ValueError(f"shared weights: unexpected thinker tensor {name}")
+    vision_shapes, audio_shapes = encoder_shapes(cfg)
+    return ThinkerWeights(
+        text=loader.shared_state_dict(cfg.text, text, dtype, device),
+        vision=_shared_encoder("vision", VISION, encoders[VISION], vision_shapes, dtype, device),
+        audio=_shared_encoder("audio", AUDIO, encoders[AUDIO], audio_shapes, dtype, device),
+    )
+
+
+def _shared_encoder(kind, prefix, found: dict, shapes: dict, dtype, device) -> dict[str, torch.Tensor] | None:
+    if not found:
+        return None
+    missing = [prefix + n for n in shapes if n not in found]
+    unexpected = [prefix + n for n in found if n not in shapes]
+    bad = [
+        f"{prefix}{n}: expected {shapes[n]}, got {tuple(t.shape)}"
+        for n, t in found.items()
+        if n in shapes and tuple(t.shape) != shapes[n]
+    ]
+    if missing or unexpected or bad:
+        raise ValueError(
+            f"shared weights: {kind} encoder: missing {loader._listing(missing)}, unexpected "
+            f"{loader._listing(unexpected)}, mis-shaped {loader._listing(bad)}"
+        )
+    want = torch.device(device)
+    for name, t in found.items():
+        if not isinstance(t, torch.Tensor) or t.is_meta or t.layout != torch.strided or not t.is_contiguous():
+            raise ValueError(
+                f"shared weights: {prefix}{name} must be a plain, dense, contiguous tensor with data"
+            )
+        if t.dtype != dtype:
+            raise ValueError(f"shared weights: {prefix}{name} is {t.dtype}, but the engine runs {dtype}")
+        if t.device.type != want.type or (want.index is not None and t.device.index != want.index):
+            raise ValueError(f"shared weights: {prefix}{name} is on {t.device}, but the engine runs on {want}")
+    return {name: t.detach() for name, t in found.items()}

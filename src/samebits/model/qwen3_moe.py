@@ -4,7 +4,7 @@ Numerics follow transformers' `modeling_qwen3_moe.py` op for op through the
 HF-order ops in `samebits.numerics.ops`; attention and experts use samebits'
 batch-invariant kernels, which the trainer's transformers model is given too.
 The model knows nothing of scheduling: it takes flat tokens [T], their
-positions and a `AttentionBatch`, and returns hidden states [T, H].
+positions [T] and an `AttentionBatch`, and returns hidden states [T, H].
 """
 
 from __future__ import annotations
@@ -13,9 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from samebits.model import loader
 from samebits.model.attention import AttentionBatch, paged_attention
 from samebits.model.config import ModelConfig
+from samebits.model.family import build_model, text_positions
 from samebits.numerics import ops
+from samebits.requests import as_multimodal
 
 
 class RMSNorm(nn.Module):
@@ -123,12 +126,24 @@ class Qwen3MoeModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", ops.rotary_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
 
-    def forward(self, input_ids, meta: AttentionBatch, kv_caches):
-        hidden = self.embed_tokens(input_ids)  # [T, H]
-        cos, sin = ops.rotary_cos_sin(hidden, meta.positions, self.inv_freq, 1.0)  # [T, D]
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, meta, kv_cache)
+    def forward(
+        self, input_ids, positions, meta: AttentionBatch, kv_caches, inputs_embeds=None, **layer_inputs
+    ):
+        """input_ids [T] (or inputs_embeds [T, H] in their place), positions -> hidden [T, H].
+
+        `layer_inputs` go to `decoder_layer`, where a model built on this one adds its own
+        per-layer inputs (the Omni thinker: deepstack)."""
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, H]
+        cos, sin = self.rotary(hidden, positions)  # [T, D]
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            hidden = self.decoder_layer(i, layer, hidden, cos, sin, meta, kv_cache, **layer_inputs)
         return self.norm(hidden)
+
+    def rotary(self, hidden, positions):  # positions [T] -> cos, sin [T, D]
+        return ops.rotary_cos_sin(hidden, positions, self.inv_freq, 1.0)
+
+    def decoder_layer(self, i, layer, hidden, cos, sin, meta, kv_cache):
+        return layer(hidden, cos, sin, meta, kv_cache)
 
 
 class Qwen3MoeForCausalLM(nn.Module):
@@ -142,8 +157,69 @@ class Qwen3MoeForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, meta: AttentionBatch, kv_caches) -> torch.Tensor:
-        return self.model(input_ids, meta, kv_caches)  # [T, H]
+    def forward(self, input_ids, positions, meta: AttentionBatch, kv_caches) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, kv_caches)  # [T, H]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [N, V] in the activation dtype, as transformers
+
+    def finish_load(self) -> None:
+        """After the weights are assigned: tie lm_head if the config says so; rotary
+        `inv_freq` from the CPU fp32 formula, as the trainer's model gets it."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model.inv_freq = ops.rotary_inv_freq(self.config.head_dim, self.config.rope_theta)
+
+
+class Qwen3MoeFamily:
+    """The Qwen3-MoE family (`Qwen3MoeForCausalLM`): token prompts, positions [T], no extra
+    step inputs; on the trainer side plain position ids. See `model/family.py`."""
+
+    name = "qwen3_moe"
+    never_sample: tuple[int, ...] = ()
+
+    def __init__(self, config: ModelConfig, model: Qwen3MoeForCausalLM):
+        self.config = config
+        self.model = model
+
+    @classmethod
+    def matches(cls, config: dict) -> bool:
+        return "Qwen3MoeForCausalLM" in (config.get("architectures") or ()) or (
+            config.get("model_type") == "qwen3_moe"
+        )
+
+    @classmethod
+    def load(cls, path, *, dtype, device, weights=None) -> Qwen3MoeFamily:
+        """From a checkpoint directory; `weights`: (HF name, tensor) pairs shared, not copied."""
+        if weights is not None:
+            config = ModelConfig.from_pretrained(path)
+            state = loader.shared_state_dict(config, weights, dtype, device)
+        else:
+            config, state = loader.load_state_dict(path, dtype=dtype, device=device)
+        return cls(config, build_model(lambda: Qwen3MoeForCausalLM(config), state, device))
+
+    def prepare(self, i: int, prompt, ids: list[int]) -> None:
+        if as_multimodal(prompt) is not None:
+            raise ValueError(f"request {i}: a multimodal prompt needs a Qwen3-Omni checkpoint")
+        return None
+
+    def positions(self, spans) -> torch.Tensor:
+        return text_positions(spans)  # [T]
+
+    def step_inputs(self, spans) -> dict:
+        return {}
+
+    @staticmethod
+    def trainer_prompts(sequences, prompt_lens, multimodal) -> list:
+        if multimodal is not None:
+            raise ValueError("multimodal inputs need the Qwen3-Omni thinker (trainer.load_hf_thinker)")
+        return [None] * len(sequences)
+
+    @staticmethod
+    def trainer_inputs(model, sequences, prompts) -> tuple[torch.Tensor, dict]:
+        """position_ids [1, N]: 0..n-1 per sequence (packed attention reads the boundaries)."""
+        return torch.cat([torch.arange(len(s)) for s in sequences])[None], {}
+
+    @staticmethod
+    def trainer_decoder(model):
+        return model

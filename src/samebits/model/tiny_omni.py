@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from samebits.engine.multimodal import MultimodalPrompt, audio_output_lengths
+from samebits.model.omni_inputs import audio_output_lengths
+from samebits.requests import MultimodalPrompt
 
 IDS = dict(
     vision_start_token_id=376,

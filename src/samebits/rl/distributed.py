@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from samebits.engine.llm import LLM, tensor_digest
-from samebits.engine.sampling_params import SamplingParams
+from samebits.requests import SamplingParams
 from samebits.rl import fsdp
 from samebits.rl.batching import pack_micro_batches
 from samebits.rl.config import RLConfig

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from samebits.engine.llm import LLM, tensor_digest
-from samebits.engine.sampling_params import SamplingParams
 from samebits.numerics.batch_invariant import batch_invariant
+from samebits.requests import SamplingParams
 from samebits.rl.batching import pack_micro_batches, split_mini_batches
 from samebits.rl.config import RLConfig
 from samebits.rl.losses import LOSSES, group_advantages

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from samebits.model.config import check_checkpoint_config
+from samebits.model.families import family_for
 from samebits.numerics.ops import reported_logprobs, rotary_inv_freq
 
 
@@ -90,15 +91,9 @@ def token_logprobs(
     for i, (seq, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
         if not 1 <= p <= len(seq):
             raise ValueError(f"sequence {i}: prompt_len {p} must be in [1, {len(seq)}]")
-    from samebits.trainer import omni
-
-    if omni.is_thinker(model):
-        return omni.thinker_token_logprobs(
-            model, sequences, prompt_lens, multimodal, packed, temperature, with_grad
-        )
-    if multimodal is not None:
-        raise ValueError("multimodal inputs need the Qwen3-Omni thinker (trainer.load_hf_thinker)")
-    check_rotary_inv_freq(model)
+    family = family_for(model.config)  # positions and extra inputs per family (model/family.py)
+    prompts = family.trainer_prompts(sequences, prompt_lens, multimodal)
+    check_rotary_inv_freq(family.trainer_decoder(model))
     temp = 1.0 if temperature == 0 else float(temperature)
     device = next(model.parameters()).device
     groups = [list(range(len(sequences)))] if packed else [[i] for i in range(len(sequences))]
@@ -106,8 +101,10 @@ def token_logprobs(
     with torch.set_grad_enabled(with_grad):
         for group in groups:
             ids = torch.tensor([t for i in group for t in sequences[i]], device=device)
-            pos = torch.cat([torch.arange(len(sequences[i]), device=device) for i in group])
-            logits = model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0]
+            pos, extra = family.trainer_inputs(
+                model, [sequences[i] for i in group], [prompts[i] for i in group]
+            )
+            logits = model(input_ids=ids[None], position_ids=pos.to(device), use_cache=False, **extra).logits[0]
             offset = 0
             for i in group:
                 n, p = len(sequences[i]), prompt_lens[i]

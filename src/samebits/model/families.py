@@ -1,0 +1,31 @@
+"""Which model family a checkpoint or a transformers model belongs to (`model/family.py`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+from samebits.model.family import ModelFamily
+from samebits.model.omni_family import Qwen3OmniFamily
+from samebits.model.qwen3_moe import Qwen3MoeFamily
+
+FAMILIES: tuple[type, ...] = (Qwen3OmniFamily, Qwen3MoeFamily)
+DEFAULT = Qwen3MoeFamily  # a causal LM with plain positions; its loader refuses what it cannot run
+
+
+def family_for(source) -> type[ModelFamily]:
+    """The family of a checkpoint directory, a config.json dict or a transformers config.
+
+    Unknown configs get the Qwen3-MoE family, whose loader names what it does not support."""
+    config = _config_dict(source)
+    return next((f for f in FAMILIES if f.matches(config)), DEFAULT)
+
+
+def _config_dict(source) -> dict:
+    if isinstance(source, Mapping):
+        return dict(source)
+    if isinstance(source, str | Path):
+        path = Path(source) / "config.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+    return source.to_dict()  # a transformers PretrainedConfig
