@@ -315,8 +315,6 @@ class LLM:
         """
         if numerics not in PROFILES:
             raise ValueError(f"numerics must be one of {tuple(PROFILES)}, got {numerics!r}")
-        if self.omni is not None and numerics != "exact":
-            raise ValueError(f"numerics {numerics!r}: the Qwen3-Omni thinker runs 'exact' only")
         self.engine = dataclasses.replace(self.engine, numerics=numerics)
         self.runner.profile = PROFILES[numerics]
         if self.runner.graphs is not None:
