@@ -126,9 +126,8 @@ def refuse_non_float(dtypes: dict[str, str]) -> None:
 
 
 def refuse_non_finite(named: Iterable[tuple[str, torch.Tensor]], where: str) -> None:
-    """Refuse NaN or inf in any floating tensor. `isfinite().all()` per tensor (per 64M-element
-    chunk: bounded scratch) on the tensor's own device, one host sync per device; the data is
-    never copied to the host."""
+    """Refuse NaN or inf in any floating tensor. One `aminmax` per tensor on the tensor's own
+    device (no scratch, no copy to the host) and one host sync per device."""
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, t in named:
         if t.is_floating_point() and not t.is_meta:
@@ -143,14 +142,13 @@ def refuse_non_finite(named: Iterable[tuple[str, torch.Tensor]], where: str) -> 
         )
 
 
-_CHUNK = 1 << 26  # elements per isfinite call: at most 64 MB of bool scratch
-
-
 def _all_finite(t: torch.Tensor) -> torch.Tensor:
-    if t.numel() <= _CHUNK or not t.is_contiguous():
-        return torch.isfinite(t).all()
-    flat = t.view(-1)
-    return torch.stack([torch.isfinite(c).all() for c in flat.split(_CHUNK)]).all()
+    """[] bool: no NaN (min and max propagate it) and no +-inf (it would be the max or min).
+    One reduction pass without scratch: ~10x faster than isfinite(t).all() for bf16 on CPU."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    lo, hi = torch.aminmax(t)
+    return torch.isfinite(lo) & torch.isfinite(hi)
 
 
 def check_hf_files(path: Path) -> None:
