@@ -139,3 +139,15 @@ def test_verify_table_fits_80_columns_without_breaking_names(monkeypatch, capsys
     assert max(len(line) for line in out.splitlines()) <= 80
     for name in names:  # each name whole on one line: not wrapped, not cut
         assert any(line.startswith(name + " ") for line in out.splitlines()), name
+
+
+def test_model_option_takes_a_cached_hub_id(tiny, tmp_path):
+    import shutil
+
+    from samebits.cli import build_parser
+
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-moe"  # the HF_HUB_CACHE of the autouse fixture
+    snapshot = shutil.copytree(tiny, repo / "snapshots" / "c0ffee")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("c0ffee")
+    assert build_parser().parse_args(["verify", "--model", "tiny-org/tiny-moe"]).model == snapshot

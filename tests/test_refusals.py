@@ -146,6 +146,15 @@ def test_index_pointing_outside_the_directory_refused(tiny, tmp_path, loader, wh
         LOADERS[loader](path)
 
 
+def test_shared_weights_refuse_nan(tiny):
+    """The colocated path (`LLM(path, weights=...)`, `samebits rl --share-weights`) too."""
+    state = load_file(tiny / "model.safetensors")
+    state[Q] = state[Q].clone()
+    state[Q][0, 0] = float("nan")
+    with pytest.raises(ValueError, match=rf"shared weights: 1 tensor\(s\) hold NaN or inf: {re.escape(Q)}"):
+        LLM(tiny, weights=state.items(), max_model_len=64)
+
+
 def test_omni_loader_refuses_nan_and_corrupt_files(tmp_path):
     from samebits.model.omni_loader import load_thinker_weights
     from samebits.model.tiny_omni import build_tiny_omni_checkpoint
@@ -177,22 +186,29 @@ def no_network(monkeypatch):
 
 @pytest.fixture
 def hub_cache(tiny, tmp_path, monkeypatch, no_network):
-    """A fake HF cache holding `tiny-org/tiny-moe` in the hub's layout (refs/main -> snapshot)."""
+    """A fake HF cache holding `tiny-org/tiny-moe` in the hub's layout: refs/main names the
+    snapshot, whose files (two shards and an index) are symlinks into ../../blobs."""
     cache = tmp_path / "hf" / "hub"
     repo = cache / "models--tiny-org--tiny-moe"
     commit = "0123456789abcdef0123456789abcdef01234567"
-    shutil.copytree(tiny, repo / "snapshots" / commit)
+    snapshot, blobs = repo / "snapshots" / commit, repo / "blobs"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for i, f in enumerate(sorted(_sharded(tiny, tmp_path / "sharded").iterdir())):
+        shutil.copy(f, blobs / f"blob{i}")
+        (snapshot / f.name).symlink_to(f"../../blobs/blob{i}")
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    return repo / "snapshots" / commit
+    return snapshot
 
 
 def test_hub_id_resolves_from_the_local_cache(hub_cache, tiny):
     assert resolve_model_path("tiny-org/tiny-moe") == hub_cache
     llm = LLM("tiny-org/tiny-moe", max_model_len=64)
     assert llm.path == hub_cache and llm.config == LLM(tiny, max_model_len=64).config
+    assert llm.weight_digests() == LLM(tiny, max_model_len=64).weight_digests()
     model = trainer.load_hf_model("tiny-org/tiny-moe")
     assert torch.equal(model.lm_head.weight, load_file(tiny / "model.safetensors")["lm_head.weight"])
 

@@ -69,9 +69,9 @@ def index_shards(path: Path) -> list[Path]:
         raise UnsupportedCheckpointError(f"{index} has no weight_map object; download it again") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise UnsupportedCheckpointError(f"{index}: weight_map must map tensor names to shard file names")
-    root = path.resolve()
     shards = sorted(set(weight_map.values()))
-    outside = [s for s in shards if Path(s).name != s or (path / s).resolve().parent != root]
+    # plain file names only; symlinks are not resolved (the HF cache links shards to ../blobs)
+    outside = [s for s in shards if Path(s).name != s or s in (".", "..")]
     if outside:
         raise UnsupportedCheckpointError(
             f"{index} lists shard(s) outside the checkpoint directory: {listing(outside)}; "
