@@ -27,8 +27,6 @@ from samebits.model.checkpoint_checks import INDEX_FILE, SINGLE_FILE
 from samebits.model.config import ModelConfig, UnsupportedCheckpointError
 from samebits.progress import maybe_progress
 
-__all__ = ["INDEX_FILE", "SINGLE_FILE", "expected_shapes", "load_state_dict", "save_state_dict"]
-
 # model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight -> (layer prefix, e, kind)
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _IGNORED = checks.DERIVED_TENSORS  # buffers some exporters save
