@@ -6,19 +6,24 @@ import argparse
 import os
 import sys
 
+from samebits import __version__, cli_checks
+from samebits.cli_checks import refuse
+
 
 def _verify(args) -> int:
     from samebits import verify
 
-    lens = tuple(int(x) for x in args.prompt_lens.split(","))
-    results = verify.run(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        tokens=args.tokens,
-        seed=args.seed,
-        prompt_lens=lens,
-    )
+    try:
+        results = verify.run(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            tokens=args.tokens,
+            seed=args.seed,
+            prompt_lens=args.prompt_lens,
+        )
+    except (ValueError, FileNotFoundError) as e:  # a refused checkpoint or setting, before any rollout
+        refuse("samebits verify", str(e))
     verify.print_table(results)
     if args.json:
         verify.write_json(results, args.json)
@@ -210,7 +215,8 @@ def _add_rl(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="samebits", description="Bitwise on-policy rollouts for MoE RL.")
+    p = cli_checks.Parser(prog="samebits", description="Bitwise on-policy rollouts for MoE RL.")
+    p.add_argument("--version", action="version", version=f"samebits {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser(
         "verify",
@@ -219,40 +225,53 @@ def build_parser() -> argparse.ArgumentParser:
         "transformers trainer one at a time and packed, compare bitwise; negative "
         "controls must differ. Exit 0 only when all of that holds.",
     )
-    v.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in tiny model)")
-    v.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    v.add_argument(
+        "--model",
+        default=None,
+        type=cli_checks.model,
+        help="HF checkpoint dir, or a hub id in the local HF cache (default: built-in tiny model)",
+    )
+    v.add_argument("--device", default="cpu", type=cli_checks.device, help="torch device (default: cpu)")
     v.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    v.add_argument("--tokens", type=int, default=32, help="tokens generated per request (default 32)")
-    v.add_argument("--seed", type=int, default=0, help="seed for the tiny model, prompts and sampling")
-    v.add_argument("--prompt-lens", default="10,16,16,24", help="comma-separated prompt lengths")
-    v.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    v.add_argument(
+        "--tokens", type=cli_checks.positive_int, default=32, help="tokens generated per request (default 32)"
+    )
+    v.add_argument(
+        "--seed", type=cli_checks.seed, default=0, help="seed for the tiny model, prompts and sampling"
+    )
+    v.add_argument(
+        "--prompt-lens",
+        default=(10, 16, 16, 24),
+        type=cli_checks.positive_ints,
+        help="comma-separated prompt lengths (default 10,16,16,24)",
+    )
+    v.add_argument(
+        "--json",
+        default=None,
+        type=cli_checks.writable_file,
+        metavar="PATH",
+        help="also write the results as JSON (its folder must exist)",
+    )
     v.set_defaults(fn=_verify)
     _add_rl(sub)
     _add_bench(sub)
     return p
 
 
-def _ints(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x)
-    except ValueError:
-        values = ()
-    if not values or min(values) < 1:
-        raise SystemExit(f"samebits bench: {flag} must be comma-separated ints >= 1, got {text!r}")
-    return values
-
-
 def _bench(args) -> int:
     from pathlib import Path
+
+    import torch
 
     from samebits import bench
 
     arms = tuple(a for a in args.arms.split(",") if a)
     unknown = sorted(set(arms) - set(bench.ARMS))
     if unknown or not arms:
-        raise SystemExit(f"samebits bench: --arms takes any of {','.join(bench.ARMS)}, got {args.arms!r}")
-    batches = _ints(args.batches, "--batches")
-    hf_batches = _ints(args.hf_batches, "--hf-batches") if args.hf_batches else None
+        refuse("samebits bench", f"--arms takes any of {','.join(bench.ARMS)}, got {args.arms!r}")
+    batches, hf_batches = args.batches, args.hf_batches
+    if not torch.cuda.is_available():  # before the random checkpoint is written
+        refuse("samebits bench", "bench measures CUDA decode steps and no CUDA device is visible")
     model = args.model
     if model is None:
         print(f"writing a random Qwen3-30B-A3B-shaped checkpoint, {args.layers} layers, to {args.dir}")
@@ -283,17 +302,46 @@ def _add_bench(sub) -> None:
         "tokens with samebits kernels vs stock transformers (experts frozen). Writes a table, "
         "bench.json and bench.png.",
     )
-    b.add_argument("--model", default=None, help="HF checkpoint dir (default: a random Qwen3-30B-A3B shape)")
-    b.add_argument("--layers", type=int, default=48, help="layers of the random checkpoint (default 48)")
-    b.add_argument("--dir", default="/dev/shm/samebits-bench", help="where the random checkpoint is written")
-    b.add_argument("--batches", default="1,8,32,64,256", help="comma-separated batch sizes")
     b.add_argument(
-        "--hf-batches", default=None, help="batch sizes for transformers generate (default: --batches)"
+        "--model",
+        default=None,
+        type=cli_checks.model,
+        help="HF checkpoint dir or cached hub id (default: a random Qwen3-30B-A3B shape)",
     )
-    b.add_argument("--context", type=int, default=1024, help="tokens of KV per sequence (default 1024)")
+    b.add_argument(
+        "--layers",
+        type=cli_checks.positive_int,
+        default=48,
+        help="layers of the random checkpoint (default 48)",
+    )
+    b.add_argument(
+        "--dir",
+        default="/dev/shm/samebits-bench",
+        type=cli_checks.writable_dir,
+        help="where the random checkpoint is written",
+    )
+    b.add_argument(
+        "--batches",
+        default=(1, 8, 32, 64, 256),
+        type=cli_checks.positive_ints,
+        help="comma-separated batch sizes",
+    )
+    b.add_argument(
+        "--hf-batches",
+        default=None,
+        type=cli_checks.positive_ints,
+        help="batch sizes for transformers generate (default: --batches)",
+    )
+    b.add_argument(
+        "--context", type=cli_checks.positive_int, default=1024, help="tokens of KV per sequence (default 1024)"
+    )
     b.add_argument("--arms", default="exact,fast,hf,trainer", help="any of exact,fast,hf,trainer")
-    b.add_argument("--steps", type=int, default=20, help="timed decode steps per point (default 20)")
-    b.add_argument("--out", default="bench-out", help="output folder (default bench-out)")
+    b.add_argument(
+        "--steps", type=cli_checks.positive_int, default=20, help="timed decode steps per point (default 20)"
+    )
+    b.add_argument(
+        "--out", default="bench-out", type=cli_checks.writable_dir, help="output folder (default bench-out)"
+    )
     b.set_defaults(fn=_bench)
 
 

@@ -7,7 +7,7 @@ import hashlib
 import itertools
 import random
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +19,9 @@ from samebits.engine.runner import ModelRunner
 from samebits.engine.sampler import SampleRequest
 from samebits.engine.scheduler import Scheduler
 from samebits.engine.sequence import Sequence as Seq
+from samebits.model.checkpoint_checks import refuse_non_finite
 from samebits.model.families import family_for
+from samebits.model.hub import resolve_model_path
 from samebits.numerics.profile import PROFILES
 from samebits.requests import SamplingParams, as_multimodal
 
@@ -106,7 +108,8 @@ class LLM:
     def __init__(
         self, model: str | Path, *, weights: Iterable[tuple[str, torch.Tensor]] | None = None, **engine_kwargs
     ):
-        """`model`: the checkpoint directory (config and, unless `weights` is given, weights).
+        """`model`: the checkpoint directory (config and, unless `weights` is given, weights),
+        or a hub id ("Qwen/Qwen3-30B-A3B") already in the local Hugging Face cache.
 
         `weights`: (HF name, tensor) pairs the engine takes as its parameters instead of
         reading the checkpoint's, sharing their storage (no copy): a trainer colocated on the
@@ -115,7 +118,7 @@ class LLM:
         config; each tensor must be contiguous, of the engine's dtype and on its device.
         """
         self.engine = EngineConfig(**engine_kwargs)
-        self.path = Path(model)
+        self.path = resolve_model_path(model)  # a directory, or a hub id's cached snapshot
         self.family = family_for(self.path).load(  # the only thing that knows the model (model/family.py)
             self.path,
             dtype=self.engine.torch_dtype,
@@ -211,7 +214,7 @@ class LLM:
             raise ValueError(f"request {i}: {e}") from e
         prompt = prompt if mm is None else mm.prompt_token_ids
         ids = self._tokenize(i, prompt) if isinstance(prompt, str) else prompt
-        if not isinstance(ids, Sequence) or not all(_is_int(t) for t in ids):
+        if isinstance(ids, bytes | bytearray) or not isinstance(ids, Sequence) or not all(map(_is_int, ids)):
             raise ValueError(f"request {i}: prompt must be a list of int token ids or a str")
         ids = [int(t) for t in ids]
         if not ids:
@@ -322,10 +325,14 @@ class LLM:
 
     # -- weights ----------------------------------------------------------------------------
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy new values into parameters by HF name. All-or-nothing: every name, shape
-        and dtype is checked before any copy; on error the old weights stay."""
-        staged = list(named_tensors)
+    def update_weights(
+        self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> None:
+        """Copy new values into parameters by HF name: a {name: tensor} mapping or (name,
+        tensor) pairs. All-or-nothing: every name, shape, dtype and value (NaN or inf is
+        refused, checked on the tensor's own device) is checked before any copy; on error
+        the old weights stay."""
+        staged = _named_pairs(named_tensors)
         for name, tensor in staged:
             if name not in self._params:
                 raise KeyError(f"update_weights: unknown parameter {name!r}")
@@ -340,17 +347,44 @@ class LLM:
                 raise ValueError(f"update_weights: {name} must be a plain dense tensor with data")
             if tensor.dtype != p.dtype:
                 raise ValueError(f"update_weights: {name} has dtype {tensor.dtype}, expected {p.dtype}")
+        refuse_non_finite(staged, "update_weights")
         with torch.no_grad():
             for name, tensor in staged:
                 self._params[name].copy_(tensor)
 
-    def weight_digests(self, names: Iterable[str] | None = None) -> dict[str, str]:
-        """sha256 hex of each named parameter's bytes (all parameters when names is None)."""
-        names = list(self._params) if names is None else list(names)
+    def weight_digests(self, names: Iterable[str] | str | None = None) -> dict[str, str]:
+        """sha256 hex of each named parameter's bytes (all parameters when names is None; a
+        single str is one name)."""
+        if names is None:
+            names = list(self._params)
+        elif isinstance(names, str):
+            names = [names]
+        elif isinstance(names, Iterable) and not isinstance(names, bytes | bytearray):
+            names = list(names)
+        else:
+            raise TypeError(
+                f"weight_digests: names must be parameter names or None, got {type(names).__name__}"
+            )
         for name in names:
-            if name not in self._params:
+            if not isinstance(name, str) or name not in self._params:
                 raise KeyError(f"weight_digests: unknown parameter {name!r}")
         return {name: tensor_digest(self._params[name]) for name in names}
+
+
+def _named_pairs(named_tensors) -> list[tuple[str, torch.Tensor]]:
+    """update_weights' input as a list of (name, tensor), refusing anything else clearly."""
+    if isinstance(named_tensors, Mapping):
+        return list(named_tensors.items())
+    if isinstance(named_tensors, str | bytes | torch.Tensor) or not isinstance(named_tensors, Iterable):
+        raise TypeError(
+            "update_weights takes a {name: tensor} mapping or (name, tensor) pairs, "
+            f"got {type(named_tensors).__name__}"
+        )
+    pairs = list(named_tensors)
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, tuple | list) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise TypeError(f"update_weights: item {i} is not a (name, tensor) pair: {type(pair).__name__}")
+    return [tuple(p) for p in pairs]
 
 
 def tensor_digest(t: torch.Tensor) -> str:

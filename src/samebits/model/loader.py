@@ -6,7 +6,8 @@ experts fused (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
 transformers 5.x `save_pretrained` writes by default), stacked layer by layer.
 
 Every name, shape and dtype is checked from the safetensors headers before any
-tensor is read, so a bad checkpoint is refused at once and by name.
+tensor is read, so a bad checkpoint is refused at once and by name; values are
+checked finite as they arrive (`checkpoint_checks`, shared with the trainer).
 """
 
 from __future__ import annotations
@@ -19,23 +20,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from samebits.model import checkpoint_checks as checks
+from samebits.model.checkpoint_checks import INDEX_FILE, SINGLE_FILE
 from samebits.model.config import ModelConfig, UnsupportedCheckpointError
 from samebits.progress import maybe_progress
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-
 # model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight -> (layer prefix, e, kind)
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-_IGNORED = re.compile(r"rotary_emb\.(original_)?inv_freq$")  # buffers some exporters save
-_QUANT_NAME = re.compile(
-    r"\.(qweight|qzeros|scales|g_idx|weight_scale|weight_scale_inv|input_scale|absmax|quant_map|SCB)$"
-)
-_FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-_LIST_LIMIT = 10
+_IGNORED = checks.DERIVED_TENSORS  # buffers some exporters save
+_FLOAT_DTYPES = checks.FLOAT_DTYPES
+_listing = checks.listing
+_weight_files = checks.weight_files
 
 
 @dataclass(frozen=True)
@@ -89,7 +86,8 @@ def load_state_dict(
     one dtype (`dtype`, else the checkpoint's; a checkpoint mixing dtypes gets the one
     config.json declares) on `device`. With tied embeddings `lm_head.weight` is the same
     tensor object as `model.embed_tokens.weight`. Raises UnsupportedCheckpointError naming
-    the tensors when anything is missing, unexpected, mis-shaped or not a float.
+    the tensors when anything is missing, unexpected, mis-shaped, not a float or not finite,
+    and naming the file when a weight file or the index is corrupt.
     """
     path = Path(path)
     if not path.is_dir():
@@ -102,8 +100,9 @@ def load_state_dict(
     _check_names_and_shapes(cfg, on_disk, _disk_shapes(cfg, per_expert))
     target = dtype or _checkpoint_dtype(cfg, on_disk)
     with ExitStack() as stack:
-        handles = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in files}
+        handles = {f: stack.enter_context(checks.open_safetensors(f)) for f in files}
         state = _read_all(cfg, on_disk, handles, per_expert, target, device, many=len(files) > 1)
+    checks.refuse_non_finite(state.items(), f"checkpoint {path}")
     return cfg, state
 
 
@@ -123,6 +122,7 @@ def shared_state_dict(
         _check_names_and_shapes(cfg, state, expected_shapes(cfg))
     except UnsupportedCheckpointError as e:
         raise ValueError(f"shared weights do not match the checkpoint's config.json: {e}") from None
+    checks.refuse_non_finite(state.items(), "shared weights")
     want = torch.device(device)
     for name, t in state.items():
         if t.is_meta or t.layout != torch.strided or hasattr(t, "device_mesh") or not t.is_contiguous():
@@ -134,32 +134,10 @@ def shared_state_dict(
     return {name: t.detach() for name, t in state.items()}
 
 
-def _weight_files(path: Path) -> list[Path]:
-    """The safetensors files, in the order transformers looks for them."""
-    if (path / SINGLE_FILE).is_file():
-        return [path / SINGLE_FILE]
-    index = path / INDEX_FILE
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        lost = [s for s in shards if not (path / s).is_file()]
-        if lost:
-            raise UnsupportedCheckpointError(
-                f"{len(lost)} shard(s) listed in {INDEX_FILE} are missing from {path}: "
-                f"{_listing(lost)}; re-download the checkpoint"
-            )
-        return [path / s for s in shards]
-    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
-        raise UnsupportedCheckpointError(
-            f"{path} holds PyTorch .bin/.pt weights; samebits reads safetensors only: "
-            "re-save with save_pretrained()"
-        )
-    raise UnsupportedCheckpointError(f"no weight files found: neither {SINGLE_FILE} nor {INDEX_FILE} in {path}")
-
-
 def _read_headers(files: list[Path]) -> dict[str, _OnDisk]:
     out: dict[str, _OnDisk] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as fh:
+        with checks.open_safetensors(f) as fh:
             for name in fh.keys():
                 if name in out:
                     raise UnsupportedCheckpointError(
@@ -171,13 +149,7 @@ def _read_headers(files: list[Path]) -> dict[str, _OnDisk]:
 
 
 def _refuse_quantised(on_disk: dict[str, _OnDisk]) -> None:
-    bad = [f"{n} ({t.dtype})" for n, t in on_disk.items() if t.dtype not in _FLOAT_DTYPES]
-    bad += [n for n, t in on_disk.items() if t.dtype in _FLOAT_DTYPES and _QUANT_NAME.search(n)]
-    if bad:
-        raise UnsupportedCheckpointError(
-            f"{len(bad)} integer or quantised tensor(s) are not supported: {_listing(bad)}; "
-            "use the bf16 or fp32 weights"
-        )
+    checks.refuse_non_float({n: t.dtype for n, t in on_disk.items()})
 
 
 def _disk_shapes(cfg: ModelConfig, per_expert: set[str]) -> dict[str, tuple[int, ...]]:
@@ -281,11 +253,6 @@ def _check_tied(head: torch.Tensor, embed: torch.Tensor) -> None:
             "tie_word_embeddings is true but lm_head.weight differs from "
             "model.embed_tokens.weight; fix tie_word_embeddings in config.json"
         )
-
-
-def _listing(items: list[str]) -> str:
-    more = f" (and {len(items) - _LIST_LIMIT} more)" if len(items) > _LIST_LIMIT else ""
-    return ", ".join(items[:_LIST_LIMIT]) + more
 
 
 def save_state_dict(

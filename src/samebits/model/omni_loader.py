@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from samebits.model import checkpoint_checks as checks
 from samebits.model import loader
 from samebits.model.config import UnsupportedCheckpointError
 from samebits.model.omni_config import OMNI_FULL, OmniConfig
@@ -93,7 +93,8 @@ def load_thinker_weights(
     """Read the thinker's config and weights; talker/code2wav tensors are skipped unread.
 
     Raises UnsupportedCheckpointError naming the tensors when anything is missing,
-    unexpected, stored twice, mis-shaped or not a float.
+    unexpected, stored twice, mis-shaped, not a float or not finite, and naming the file
+    when a weight file or the index is corrupt.
     """
     path = Path(path)
     if not path.is_dir():
@@ -115,12 +116,14 @@ def load_thinker_weights(
     target = dtype or loader._checkpoint_dtype(cfg.text, on_disk)
     vision_shapes, audio_shapes = encoder_shapes(cfg)
     with ExitStack() as stack:
-        handles = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in files}
+        handles = {f: stack.enter_context(checks.open_safetensors(f)) for f in files}
         text = _read_text(cfg, groups["text"], disk_of, handles, target, device, many=len(files) > 1)
         vision = _read_encoder(
             "vision", VISION, groups["vision"], vision_shapes, disk_of, handles, target, device
         )
         audio = _read_encoder("audio", AUDIO, groups["audio"], audio_shapes, disk_of, handles, target, device)
+    for part, tensors in (("", text), (VISION, vision), (AUDIO, audio)):
+        checks.refuse_non_finite(((part + n, t) for n, t in (tensors or {}).items()), f"checkpoint {path}")
     return cfg, ThinkerWeights(text, vision, audio)
 
 

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoModelForCausalLM
 
-from samebits.model.config import check_checkpoint_config
 from samebits.model.families import family_for
 from samebits.numerics.ops import reported_logprobs, rotary_inv_freq
+from samebits.trainer.checks import from_pretrained_checked
 
 
 class RotaryMismatchError(RuntimeError):
@@ -52,15 +52,14 @@ def check_rotary_inv_freq(model) -> None:
 
 
 def load_hf_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, **kwargs):
-    """A transformers model with samebits experts and attention, rotary checked.
-
-    The checkpoint's configs are refused first exactly as the engine refuses them."""
-    check_checkpoint_config(path)
+    """A transformers model with samebits experts and attention, rotary checked. `path`: a
+    checkpoint directory or a hub id in the local HF cache; a checkpoint the engine would
+    refuse is refused here too (`trainer/checks.py`)."""
     kwargs.setdefault("experts_implementation", "samebits")
     kwargs.setdefault("attn_implementation", "samebits")
     if torch.device(device).type == "cuda":  # straight to the GPU: no full copy in host memory
         kwargs.setdefault("device_map", str(device))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device)
+    model = from_pretrained_checked(AutoModelForCausalLM, path, dtype=dtype, **kwargs).to(device)
     reset_rotary_inv_freq(model)
     model.eval()
     return model
