@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from samebits.engine.block_manager import BlockManager
+from samebits.engine.core import EngineCore, RequestOutput, exclusive
 from samebits.engine.cuda_graphs import graph_sizes
 from samebits.engine.multimodal import as_multimodal
 from samebits.engine.runner import ModelRunner
@@ -29,18 +30,6 @@ from samebits.numerics.profile import PROFILES
 
 NUMERICS = tuple(PROFILES)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-@dataclass
-class RequestOutput:
-    """One finished request. `logprobs` is float32, one per generated token."""
-
-    index: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: torch.Tensor
-    finish_reason: str | None
-    num_preemptions: int = 0
 
 
 @dataclass(frozen=True)
@@ -168,6 +157,7 @@ class LLM:
         self._rng = random.Random()
         self._tokenizer = None
         self.asleep = False
+        self.core = EngineCore(self)  # requests in flight; its lock serializes this LLM's calls
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -181,27 +171,27 @@ class LLM:
 
         Every request is validated before anything runs; a bad one raises
         ValueError naming its index and field, and the engine stays usable.
+        Calls from several threads run one after another (the engine lock).
         """
-        if self.asleep:
-            raise RuntimeError("generate: the engine is asleep (KV cache released); call wake_up() first")
-        per_request = self._per_request_params(prompts, params)
-        token_lists = [
-            self._validate(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, per_request, strict=True))
-        ]
-        states = self._multimodal_states(prompts, token_lists)
-        seqs = [
-            self._new_seq(i, ids, sp) for i, (ids, sp) in enumerate(zip(token_lists, per_request, strict=True))
-        ]
-        for seq, state in zip(seqs, states, strict=True):
-            seq.multimodal = state
-        for seq in seqs:
-            self.scheduler.add(seq)
-        try:
-            self._run_until_done(len(seqs), progress)
-        except BaseException:
-            self.scheduler.abort_all()
-            raise
-        return [_output(s) for s in seqs]
+        with self.core.lock:
+            if self.asleep:
+                raise RuntimeError("generate: the engine is asleep (KV cache released); call wake_up() first")
+            self.core.check_idle("generate")
+            per_request = self._per_request_params(prompts, params)
+            token_lists = [
+                self._validate(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, per_request, strict=True))
+            ]
+            for i, sp in enumerate(per_request):
+                self.core.check_text(i, sp)
+            states = self._multimodal_states(prompts, token_lists)
+            rows = zip(token_lists, per_request, states, strict=True)
+            try:
+                ids = [self.core.add_validated(None, i, t, sp, st) for i, (t, sp, st) in enumerate(rows)]
+                self._run_until_done(sum(sp.n for sp in per_request), progress)
+            except BaseException:
+                self.core.abort_all()
+                raise
+            return [self.core.pop(r) for r in ids]
 
     def _per_request_params(self, prompts, params) -> list[SamplingParams]:
         if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
@@ -294,16 +284,11 @@ class LLM:
                 bar.close()
 
     def _steps(self, bar) -> None:
-        """Schedule -> run -> postprocess until every request is done."""
-        while self.scheduler.has_unfinished():
-            batch = self.scheduler.schedule()
-            reqs = [self._sample_request(c.seq) for c in batch.chunks if c.samples]
-            sampled = self.runner.run(batch, reqs)
-            seqs = [c.seq for c in batch.chunks if c.samples]
-            by_id = {s.seq_id: out for s, out in zip(seqs, sampled, strict=True)}
-            finished = self.scheduler.postprocess(batch, by_id)
+        """Engine-core steps until every request is done."""
+        while self.core.has_unfinished():
+            deltas = self.core.step()
             if bar:
-                bar.advance(len(finished), batch.num_tokens)
+                bar.advance(sum(d.finish_reason is not None for d in deltas), self.core.stats.last_step_tokens)
 
     def _sample_request(self, seq: Seq) -> SampleRequest:
         sp = seq.params
@@ -317,6 +302,7 @@ class LLM:
 
     # -- colocation -----------------------------------------------------------------------
 
+    @exclusive
     def sleep(self) -> None:
         """Release the KV cache memory so a trainer on the same device can use it. Weights stay
         (update_weights and weight_digests still work); generate refuses until wake_up()."""
@@ -325,6 +311,7 @@ class LLM:
         self.runner.release_kv_cache()
         self.asleep = True
 
+    @exclusive
     def wake_up(self) -> None:
         """Allocate the KV cache again (zeroed); a no-op when awake."""
         self.runner.allocate_kv_cache()
@@ -332,6 +319,7 @@ class LLM:
 
     # -- weights ----------------------------------------------------------------------------
 
+    @exclusive
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy new values into parameters by HF name. All-or-nothing: every name, shape
         and dtype is checked before any copy; on error the old weights stay."""
@@ -406,17 +394,6 @@ def _build_model(cfg: ModelConfig, state: dict, device: str, profile) -> Qwen3Mo
         raise RuntimeError(f"parameters not loaded: {leftover[:10]}")
     model.requires_grad_(False)
     return model.eval()
-
-
-def _output(seq: Seq) -> RequestOutput:
-    return RequestOutput(
-        index=seq.index,
-        prompt_token_ids=list(seq.prompt_token_ids),
-        token_ids=list(seq.output_token_ids),
-        logprobs=torch.tensor(seq.logprobs, dtype=torch.float32),
-        finish_reason=seq.finish_reason,
-        num_preemptions=seq.num_preemptions,
-    )
 
 
 def _is_int(x) -> bool:
