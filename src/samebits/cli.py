@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from samebits.serve import cli as serve_cli
+
 
 def _verify(args) -> int:
     from samebits import verify
@@ -229,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(fn=_verify)
     _add_rl(sub)
     _add_bench(sub)
+    serve_cli.add_parser(sub)
     return p
 
 

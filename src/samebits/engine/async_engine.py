@@ -78,9 +78,21 @@ class AsyncEngine:
             if not finished and self.error is None and not self._closed:
                 self.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request by id (no-op for unknown or finished ones); its stream ends with "abort"."""
-        self._submit(("abort", request_id))
+    def validate(self, i: int, prompt, params: SamplingParams) -> list[int]:
+        """The checks `generate` will make, run in the caller's thread (read-only): ValueError
+        naming request i and the field; -> the prompt's token ids."""
+        ids = self.llm._validate(i, prompt, params)
+        self.core.check_text(i, params)
+        return ids
+
+    def abort(self, request_id: str, group: bool = False) -> None:
+        """Abort a request by id (no-op for unknown or finished ones); its stream ends with
+        "abort". `group`: also every request whose id is `request_id` + "-<i>" (a prompt list)."""
+        self._submit(("abort", request_id, group))
+
+    def abort_all(self) -> None:
+        """Abort every request in flight."""
+        self._submit(("abort", None, True))
 
     def close(self) -> None:
         """Stop the engine thread; requests in flight end with EngineDeadError."""
@@ -121,8 +133,11 @@ class AsyncEngine:
 
     def _handle(self, command: tuple) -> None:
         if command[0] == "abort":
-            if command[1] in self._streams and self.core.abort(command[1]):
-                self._publish(command[1])
+            _, rid, group = command
+            for request_id in list(self._streams):
+                hit = rid is None or request_id == rid or (group and request_id.startswith(f"{rid}-"))
+                if hit and self.core.abort(request_id):
+                    self._publish(request_id)
             return
         _, request_id, prompt, params, stream, added = command
         try:

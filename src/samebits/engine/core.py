@@ -77,6 +77,7 @@ class EngineStats:
     generated_tokens: int = 0
     steps: int = 0
     last_step_seconds: float = 0.0
+    step_seconds: float = 0.0  # summed over all steps
     last_step_tokens: int = 0
 
 
@@ -219,6 +220,7 @@ class EngineCore:
         self.stats.generated_tokens += len(chunks)
         self.stats.last_step_tokens = batch.num_tokens
         self.stats.last_step_seconds = time.perf_counter() - t0
+        self.stats.step_seconds += self.stats.last_step_seconds
         return deltas
 
     def _advance(self, seq: Seq, out: tuple) -> Delta:
