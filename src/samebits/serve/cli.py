@@ -25,7 +25,10 @@ def add_parser(sub) -> None:
     s.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     s.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together (default 8)")
     s.add_argument(
-        "--max-model-len", type=int, default=None, help="prompt + output tokens (default: min(4096, the model's))"
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt + output tokens (default: min(4096, the model's limit))",
     )
     s.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
     s.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
