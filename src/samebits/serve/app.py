@@ -68,6 +68,7 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     app = FastAPI(title="samebits")
     registry = make_registry(engine.llm, engine)
     tok = formats.TokenText(engine.core.tokenizer)
+    ids_tok = formats.TokenText(None)
     created = int(time.time())
 
     @app.exception_handler(RequestValidationError)
@@ -147,7 +148,7 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         except ValueError as e:
             raise ApiError(400, str(e), "prompt") from e
         params, ids = prepare(prompts, lambda: body.to_params(body.max_tokens, body.logprobs), "prompt")
-        ctx = Ctx(tok, body.logprobs, body.return_token_ids)
+        ctx = Ctx(ids_tok if body.return_tokens_as_token_ids else tok, body.logprobs, body.return_token_ids)
         rid = f"cmpl-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name}
 
@@ -190,7 +191,7 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         except ValueError as e:
             raise ApiError(400, str(e), _param_of(str(e), "messages")) from e
         params, ids = prepare([prompt], lambda: body.to_params(body.max_new(), k), "messages")
-        ctx = Ctx(tok, k, body.return_token_ids)
+        ctx = Ctx(ids_tok if body.return_tokens_as_token_ids else tok, k, body.return_token_ids)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": rid, "created": int(time.time()), "model": model_name}
 

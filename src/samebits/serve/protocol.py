@@ -41,6 +41,7 @@ class _Body(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: TokenIds | None = None
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # log-prob tokens as "token_id:<id>" (unique keys)
     # OpenAI fields that must stay at their no-op value
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
