@@ -5,62 +5,20 @@ abort, 400s. The server is a subprocess on 127.0.0.1, stopped by its PID."""
 from __future__ import annotations
 
 import json
-import os
-import queue
 import shutil
-import signal
-import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import torch
+from serve_server import Server
 
 from samebits import batch_invariant, trainer
 from samebits.model.tiny_tokenizer import add_tiny_tokenizer
 
 READY_TIMEOUT = 180
-
-
-class Server:
-    def __init__(self, model: Path, *extra: str):
-        env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1] / "src"))
-        cmd = [sys.executable, "-m", "samebits.cli", "serve", "--model", str(model), "--port", "0", *extra]
-        self.proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-        lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stderr], daemon=True).start()
-        deadline = time.monotonic() + READY_TIMEOUT
-        while True:
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            if "ready on http://" in line:
-                self.url = line.split("ready on ")[1].split()[0]
-                break
-        self.model = model.name
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-
-    def rss_kib(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-        raise AssertionError("no VmRSS")
-
-    def metric(self, name: str) -> float:
-        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        raise AssertionError(f"no metric {name}")
 
 
 @pytest.fixture(scope="module")
@@ -225,12 +183,14 @@ def test_client_disconnect_aborts(server):
         "sampling_params": {"max_new_tokens": 200, "ignore_eos": True},
         "stream": True,
     }
+    aborted = server.metric("samebits_aborted_requests_total")
     with httpx.Client(timeout=120) as h, h.stream("POST", f"{server.url}/generate", json=body) as r:
         next(x for x in r.iter_lines() if x.startswith("data: "))
     deadline = time.monotonic() + 60  # the server notices the closed socket at its next write
     while server.metric("samebits_requests_in_flight") and time.monotonic() < deadline:
         pass
     assert server.metric("samebits_requests_in_flight") == 0
+    assert server.metric("samebits_aborted_requests_total") == aborted + 1  # not a natural finish
     assert server.metric("samebits_kv_blocks_used") == 0
 
 

@@ -78,6 +78,7 @@ class EngineStats:
     steps: int = 0
     last_step_seconds: float = 0.0
     step_seconds: float = 0.0  # summed over all steps
+    aborted_requests: int = 0  # requests abort() stopped before they finished
     last_step_tokens: int = 0
 
 
@@ -182,6 +183,8 @@ class EngineCore:
         req = self._requests.get(request_id)
         if req is None:
             return False
+        if not all(s.is_finished for s in req.seqs):
+            self.stats.aborted_requests += 1
         for seq, detok in zip(req.seqs, req.detoks, strict=True):
             if not seq.is_finished:
                 self.llm.scheduler.finish(seq, "abort")

@@ -22,6 +22,7 @@ class EngineCollector:
         yield _gauge("samebits_kv_blocks_used", "KV blocks in use", blocks.num_blocks - blocks.num_free_blocks)
         yield _gauge("samebits_kv_blocks_total", "KV blocks in the cache", blocks.num_blocks)
         yield _counter("samebits_generation_tokens", "tokens sampled", stats.generated_tokens)
+        yield _counter("samebits_aborted_requests", "requests aborted unfinished", stats.aborted_requests)
         yield _counter("samebits_num_preemptions", "sequences preempted", sched.num_preemptions)
         yield _counter("samebits_engine_steps", "engine steps", stats.steps)
         yield _counter("samebits_engine_step_seconds", "seconds spent in engine steps", stats.step_seconds)
