@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
     s.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in tiny model + tokenizer)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    s.add_argument("--served-model-name", default=None, help="the model's name in the API (default: dir name)")
+    s.add_argument("--served-model-name", default=None, help="name in the API (default: the dir's, or 'tiny')")
     s.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
     s.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     s.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together (default 8)")
@@ -63,7 +63,7 @@ def run(args) -> int:
     except (ValueError, OSError) as e:
         print(f"samebits serve: {e}", file=sys.stderr)
         return 2
-    name = args.served_model_name or model.name
+    name = args.served_model_name or (model.name if args.model else "tiny")
     engine = AsyncEngine(llm)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
