@@ -101,3 +101,19 @@ def test_generate_is_refused_while_async_requests_are_in_flight(llm, engine):
         await gen.aclose()
 
     asyncio.run(main())
+
+
+def test_a_caller_cancelled_before_its_request_starts_leaves_nothing_running(llm, engine):
+    async def main():
+        for rid in ("c0", "c1", "c2"):
+            gen = engine.generate([3, 4], SamplingParams(max_tokens=60, ignore_eos=True), rid)
+            task = asyncio.ensure_future(gen.__anext__())
+            await asyncio.sleep(0)  # the add is submitted; cancel while it waits for the engine
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return await _collect(engine, [7, 8], _params(1), "after")
+
+    outs = asyncio.run(main())
+    assert outs[-1].finish_reason == "length"
+    assert llm.core.request_ids() == [] and not llm.core.has_unfinished()
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks

@@ -103,11 +103,12 @@ def _run(server, i: int):
     return KINDS[i % 3](server, i, stream=bool(i // 3 % 2))
 
 
-def _recompute(ckpt, results, **impl):
-    model = trainer.load_hf_model(ckpt, dtype=torch.bfloat16, **impl)
+def _recompute(ckpt, results, device="cpu", **impl):
+    model = trainer.load_hf_model(ckpt, device=device, dtype=torch.bfloat16, **impl)
     seqs = [p + t for p, t, _, _ in results]
     with batch_invariant():
-        return trainer.token_logprobs(model, seqs, [len(p) for p, *_ in results], packed=True, temperature=1.0)
+        lps = trainer.token_logprobs(model, seqs, [len(p) for p, *_ in results], packed=True, temperature=1.0)
+    return [lp.cpu() for lp in lps]
 
 
 def test_16_concurrent_mixed_clients_equal_the_trainer_bitwise_and_replay_alone(server, ckpt):

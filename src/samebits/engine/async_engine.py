@@ -63,7 +63,11 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop())
         added: Future = Future()
         self._submit(("add", request_id, prompt, params, stream, added))
-        request_id = await asyncio.wrap_future(added)
+        try:
+            request_id = await asyncio.wrap_future(added)
+        except asyncio.CancelledError:  # gone before the engine took it: abort it once added
+            added.add_done_callback(self._abort_added)
+            raise
         finished = False
         try:
             while True:
@@ -89,6 +93,14 @@ class AsyncEngine:
         """Abort a request by id (no-op for unknown or finished ones); its stream ends with
         "abort". `group`: also every request whose id is `request_id` + "-<i>" (a prompt list)."""
         self._submit(("abort", request_id, group))
+
+    def _abort_added(self, added: Future) -> None:
+        if added.cancelled() or added.exception() is not None:
+            return
+        try:
+            self.abort(added.result())
+        except EngineDeadError:
+            pass
 
     def abort_all(self) -> None:
         """Abort every request in flight."""
@@ -140,6 +152,8 @@ class AsyncEngine:
                     self._publish(request_id)
             return
         _, request_id, prompt, params, stream, added = command
+        if not added.set_running_or_notify_cancel():  # the caller went away first
+            return
         try:
             request_id = self.core.add_request(request_id, prompt, params)
         except (ValueError, TypeError, RuntimeError) as e:
@@ -178,6 +192,6 @@ class AsyncEngine:
         with self._cv:
             self._closed = True
             for command in self._inbox:
-                if command[0] == "add":
+                if command[0] == "add" and command[5].set_running_or_notify_cancel():
                     command[5].set_exception(EngineDeadError("the engine was closed"))
             self._inbox.clear()
