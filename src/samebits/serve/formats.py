@@ -31,6 +31,25 @@ class TokenText:
 
 
 @dataclass
+class Ctx:
+    """What shapes one OpenAI response: token texts, top-k (None: no log-probs), whether
+    choices carry token ids (vLLM's `return_token_ids`)."""
+
+    tok: TokenText
+    logprobs: int | None
+    return_token_ids: bool
+
+
+def _with_ids(choice: dict, request: RequestOutput, out: CompletionOutput, part: slice, ctx: Ctx) -> dict:
+    """Add the generated ids, and the prompt ids in a sample's first piece."""
+    if ctx.return_token_ids:
+        choice["token_ids"] = out.token_ids[part]
+        if part.start == 0:
+            choice["prompt_token_ids"] = request.prompt_token_ids
+    return choice
+
+
+@dataclass
 class SampleCursor:
     """How much of one sample a stream has already sent."""
 
@@ -73,16 +92,17 @@ def completion_logprobs(out: CompletionOutput, part: slice, tok: TokenText, k: i
     }
 
 
-def completion_choice(index: int, out: CompletionOutput, part: slice, text: str, finished: bool, ctx) -> dict:
+def completion_choice(
+    index: int, request: RequestOutput, out: CompletionOutput, part: slice, text: str, finished: bool, ctx: Ctx
+) -> dict:
+    """One completions choice (whole) or piece of one (streamed): tokens `part` of sample `out`."""
     choice = {
         "index": index,
         "text": text,
         "logprobs": None if ctx.logprobs is None else completion_logprobs(out, part, ctx.tok, ctx.logprobs),
         "finish_reason": out.finish_reason if finished else None,
     }
-    if ctx.return_token_ids:
-        choice["token_ids"] = out.token_ids[part]
-    return choice
+    return _with_ids(choice, request, out, part, ctx)
 
 
 # -- OpenAI chat ----------------------------------------------------------------------------
@@ -103,19 +123,20 @@ def chat_logprobs(out: CompletionOutput, part: slice, tok: TokenText, k: int) ->
     return {"content": content}
 
 
-def chat_choice(index: int, out: CompletionOutput, part: slice, text: str, finished: bool, ctx, delta: bool):
+def chat_choice(
+    request: RequestOutput, out: CompletionOutput, part: slice, text: str, finished: bool, ctx: Ctx, delta: bool
+) -> dict:
+    """One chat choice (`message`) or streamed piece of one (`delta`, with the role first)."""
     key, message = ("delta", {"content": text}) if delta else ("message", {"content": text})
     if not delta or part.start == 0:
         message["role"] = "assistant"
     choice = {
-        "index": index,
+        "index": out.index,
         key: message,
         "logprobs": None if ctx.logprobs is None else chat_logprobs(out, part, ctx.tok, ctx.logprobs),
         "finish_reason": out.finish_reason if finished else None,
     }
-    if ctx.return_token_ids:
-        choice["token_ids"] = out.token_ids[part]
-    return choice
+    return _with_ids(choice, request, out, part, ctx)
 
 
 def usage(outputs: list[RequestOutput]) -> dict:
