@@ -241,3 +241,15 @@ def test_models_and_health(server):
     models = _client(server).models.list()
     assert [m.id for m in models.data] == [server.model]
     assert httpx.get(f"{server.url}/health").json() == {}
+
+
+def test_logprobs_as_json_numbers_read_back_to_the_same_float32():
+    """How the server writes a log-prob (json.dumps of the float) against a 6-digit writer."""
+    from samebits.serve.streams import sse
+
+    lps = torch.log_softmax(torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 4, dim=0)
+    event = sse({"token_logprobs": lps.tolist()})
+    back = torch.tensor(json.loads(event[len("data: ") :])["token_logprobs"], dtype=torch.float32)
+    assert torch.equal(back, lps)
+    lossy = torch.tensor([float(f"{x:.6g}") for x in lps.tolist()], dtype=torch.float32)
+    assert not torch.equal(lossy, lps)  # negative control: a shorter decimal loses bits
