@@ -8,6 +8,7 @@ import sys
 
 from samebits import __version__, cli_checks
 from samebits.cli_checks import refuse
+from samebits.serve import cli as serve_cli
 
 
 def _verify(args) -> int:
@@ -255,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(fn=_verify)
     _add_rl(sub)
     _add_bench(sub)
+    serve_cli.add_parser(sub)
     return p
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from samebits.engine.block_manager import BlockManager
+from samebits.engine.core import EngineCore, RequestOutput, exclusive
 from samebits.engine.cuda_graphs import graph_sizes
 from samebits.engine.runner import ModelRunner
 from samebits.engine.sampler import SampleRequest
@@ -27,18 +28,6 @@ from samebits.requests import SamplingParams, as_multimodal
 
 NUMERICS = tuple(PROFILES)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-@dataclass
-class RequestOutput:
-    """One finished request. `logprobs` is float32, one per generated token."""
-
-    index: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: torch.Tensor
-    finish_reason: str | None
-    num_preemptions: int = 0
 
 
 @dataclass(frozen=True)
@@ -154,6 +143,7 @@ class LLM:
         self._rng = random.Random()
         self._tokenizer = None
         self.asleep = False
+        self.core = EngineCore(self)  # requests in flight; its lock serializes this LLM's calls
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -167,27 +157,27 @@ class LLM:
 
         Every request is validated before anything runs; a bad one raises
         ValueError naming its index and field, and the engine stays usable.
+        Calls from several threads run one after another (the engine lock).
         """
-        if self.asleep:
-            raise RuntimeError("generate: the engine is asleep (KV cache released); call wake_up() first")
-        per_request = self._per_request_params(prompts, params)
-        token_lists = [
-            self._validate(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, per_request, strict=True))
-        ]
-        states = self._prepare_states(prompts, token_lists)
-        seqs = [
-            self._new_seq(i, ids, sp) for i, (ids, sp) in enumerate(zip(token_lists, per_request, strict=True))
-        ]
-        for seq, state in zip(seqs, states, strict=True):
-            seq.family_state = state
-        for seq in seqs:
-            self.scheduler.add(seq)
-        try:
-            self._run_until_done(len(seqs), progress)
-        except BaseException:
-            self.scheduler.abort_all()
-            raise
-        return [_output(s) for s in seqs]
+        with self.core.lock:
+            if self.asleep:
+                raise RuntimeError("generate: the engine is asleep (KV cache released); call wake_up() first")
+            self.core.check_idle("generate")
+            per_request = self._per_request_params(prompts, params)
+            token_lists = [
+                self._validate(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, per_request, strict=True))
+            ]
+            for i, sp in enumerate(per_request):
+                self.core.check_text(i, sp)
+            states = self._prepare_states(prompts, token_lists)
+            rows = zip(token_lists, per_request, states, strict=True)
+            try:
+                ids = [self.core.add_validated(None, i, t, sp, st) for i, (t, sp, st) in enumerate(rows)]
+                self._run_until_done(sum(sp.n for sp in per_request), progress)
+            except BaseException:
+                self.core.abort_all()
+                raise
+            return [self.core.pop(r) for r in ids]
 
     def _per_request_params(self, prompts, params) -> list[SamplingParams]:
         if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
@@ -275,16 +265,11 @@ class LLM:
                 bar.close()
 
     def _steps(self, bar) -> None:
-        """Schedule -> run -> postprocess until every request is done."""
-        while self.scheduler.has_unfinished():
-            batch = self.scheduler.schedule()
-            reqs = [self._sample_request(c.seq) for c in batch.chunks if c.samples]
-            sampled = self.runner.run(batch, reqs)
-            seqs = [c.seq for c in batch.chunks if c.samples]
-            by_id = {s.seq_id: out for s, out in zip(seqs, sampled, strict=True)}
-            finished = self.scheduler.postprocess(batch, by_id)
+        """Engine-core steps until every request is done."""
+        while self.core.has_unfinished():
+            deltas = self.core.step()
             if bar:
-                bar.advance(len(finished), batch.num_tokens)
+                bar.advance(sum(d.finish_reason is not None for d in deltas), self.core.stats.last_step_tokens)
 
     def _sample_request(self, seq: Seq) -> SampleRequest:
         sp = seq.params
@@ -297,6 +282,7 @@ class LLM:
 
     # -- colocation -----------------------------------------------------------------------
 
+    @exclusive
     def sleep(self) -> None:
         """Release the KV cache memory so a trainer on the same device can use it. Weights stay
         (update_weights and weight_digests still work); generate refuses until wake_up()."""
@@ -305,6 +291,7 @@ class LLM:
         self.runner.release_kv_cache()
         self.asleep = True
 
+    @exclusive
     def wake_up(self) -> None:
         """Allocate the KV cache again (zeroed); a no-op when awake."""
         self.runner.allocate_kv_cache()
@@ -325,6 +312,7 @@ class LLM:
 
     # -- weights ----------------------------------------------------------------------------
 
+    @exclusive
     def update_weights(
         self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
     ) -> None:
@@ -411,15 +399,6 @@ def _check_device(device: str) -> None:
         raise ValueError(f"device {device!r} is sm_{major}x; samebits' Triton kernels need sm_80 or newer")
 
 
-def _output(seq: Seq) -> RequestOutput:
-    return RequestOutput(
-        index=seq.index,
-        prompt_token_ids=list(seq.prompt_token_ids),
-        token_ids=list(seq.output_token_ids),
-        logprobs=torch.tensor(seq.logprobs, dtype=torch.float32),
-        finish_reason=seq.finish_reason,
-        num_preemptions=seq.num_preemptions,
-    )
 
 
 def _is_int(x) -> bool:

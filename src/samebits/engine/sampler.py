@@ -6,6 +6,10 @@ narrowed by top-k, top-p and min_tokens; that changes the choice only.
 Randomness is a pure function of (request seed, output index, token id),
 computed on the logits' device by a counter-based hash: a request gets the same
 tokens alone, in any batch, and after preemption.
+
+A row whose params ask `logprobs=k` (k >= 1) also gets its k most likely tokens and
+their log-probs, read from the same log-softmax row as the sampled token's log-prob:
+its result is (token, log-prob, [(token, log-prob), ...]) instead of (token, log-prob).
 """
 
 from __future__ import annotations
@@ -77,9 +81,13 @@ def _narrow(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def needs_host_rules(reqs: list[SampleRequest]) -> bool:
-    """Whether some row bans tokens or narrows by top-k/top-p (per-row work beyond `race`)."""
+    """Whether some row bans tokens, narrows by top-k/top-p or asks for top log-probs
+    (per-row work beyond `race`)."""
     return any(
-        r.banned or (r.params.temperature > 0 and (r.params.top_k != -1 or r.params.top_p < 1.0)) for r in reqs
+        r.banned
+        or r.params.logprobs
+        or (r.params.temperature > 0 and (r.params.top_k != -1 or r.params.top_p < 1.0))
+        for r in reqs
     )
 
 
@@ -107,8 +115,9 @@ def sample_plain(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, 
     return race(lps, lps.exp(), logits.float(), keys, random_row)
 
 
-def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> list[tuple[int, float]]:
-    """logits [N, V] -> (token, float32 log-prob) per row; one host sync for the batch."""
+def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> list[tuple]:
+    """logits [N, V] -> (token, float32 log-prob) per row, plus the top alternatives for rows
+    that ask `logprobs=k`; one host sync for the batch (and one per such row)."""
     dev = logits.device
     temps, keys, random_row = (t.to(dev, non_blocking=True) for t in row_inputs(reqs))
     if not needs_host_rules(reqs):
@@ -125,4 +134,16 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> list[tuple[int, f
         if req.params.temperature > 0 and (req.params.top_k != -1 or req.params.top_p < 1.0):
             probs[i] = _narrow(probs[i], req.params)
     tokens, chosen = race(lps, probs, scores, keys, random_row)
-    return list(zip(tokens.tolist(), chosen.tolist(), strict=True))
+    out = list(zip(tokens.tolist(), chosen.tolist(), strict=True))
+    for i, req in enumerate(reqs):
+        if req.params.logprobs:
+            out[i] = (*out[i], top_logprobs(lps[i], req.params.logprobs))
+    return out
+
+
+def top_logprobs(row: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """The k largest entries of one log-softmax row [V] as (token, log-prob), best first
+    (ties: the lower token id first)."""
+    k = min(k, row.numel())
+    order = torch.sort(row, descending=True, stable=True).indices[:k]
+    return list(zip(order.tolist(), row[order].tolist(), strict=True))

@@ -65,9 +65,16 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order; preemption takes from the end
+        self.num_preemptions = 0  # since construction, for /metrics
 
     def add(self, seq: Sequence) -> None:
         """Queue seq; RuntimeError if even an empty cache could not hold it."""
+        self.check_fits(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def check_fits(self, seq: Sequence) -> None:
+        """RuntimeError if even an empty cache could not hold seq."""
         # the last sampled token is never computed, so its K/V never need a slot
         most_tokens = seq.num_prompt_tokens + seq.params.max_tokens - 1
         needed = self.blocks.blocks_for(most_tokens)
@@ -76,8 +83,6 @@ class Scheduler:
                 f"a sequence of {seq.num_prompt_tokens} prompt + {seq.params.max_tokens} max_tokens "
                 f"needs {needed} KV blocks but the cache has {self.blocks.num_blocks}; raise num_blocks"
             )
-        seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -92,6 +97,19 @@ class Scheduler:
         self.running.clear()
         self.waiting.clear()
         return aborted
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End seq now (abort, or a stop string the engine found): out of the queues, its
+        blocks freed at once, `finish_reason` set. A finished seq is left as it is."""
+        if seq.is_finished:
+            return
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's chunks and allocate their blocks."""
@@ -152,13 +170,15 @@ class Scheduler:
         self.blocks.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
         return seq
 
     def postprocess(self, batch: ScheduledBatch, sampled: dict[int, tuple[int, float]]) -> list[Sequence]:
         """Advance computed tokens, append samples, finish sequences; returns those that finished.
 
-        `sampled` maps seq_id -> (token, log-prob) for every chunk whose `samples` is True.
+        `sampled` maps seq_id -> (token, log-prob[, top log-probs]) for every chunk whose
+        `samples` is True; the top log-probs are the caller's (engine/core.py) to keep.
         """
         finished = []
         for chunk in batch.chunks:
@@ -166,7 +186,7 @@ class Scheduler:
             seq.num_computed_tokens += chunk.num_tokens
             if not chunk.samples:
                 continue
-            token, logprob = sampled[seq.seq_id]
+            token, logprob = sampled[seq.seq_id][:2]
             seq.append_token(token, logprob)
             reason = self._finish_reason(seq, token)
             if reason:

@@ -17,6 +17,13 @@ class SamplingParams:
     a request gives the same tokens alone, batched, or after preemption; it must be in
     [0, 2**63) (None: the engine draws one). Every field is type-checked: `ignore_eos`
     must be a bool, numbers must be finite, token ids ints (not bools or bytes).
+
+    `n` samples per prompt: sample j is sampled with seed `sample_seed(seed, j)` (sample 0
+    with `seed` itself), so the n samples differ and a replay gives the same n.
+    `stop` strings end a sample when its detokenized text contains one (trimmed from the
+    text, finish_reason "stop"; the token ids keep every sampled token). `logprobs=k` also
+    reports the k most likely tokens of the same log-softmax row the sampled token's
+    log-prob is read from. `detokenize` produces `text` (needs a tokenizer).
     """
 
     temperature: float = 1.0
@@ -27,8 +34,16 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     stop_token_ids: tuple[int, ...] | None = None
+    n: int = 1
+    stop: tuple[str, ...] | None = None
+    logprobs: int | None = None
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is not None and hasattr(self.stop, "__iter__"):
+            object.__setattr__(self, "stop", tuple(self.stop))
         stops = self.stop_token_ids
         if stops is not None:
             if isinstance(stops, int | str | bytes) or not hasattr(stops, "__iter__"):
@@ -64,10 +79,41 @@ class SamplingParams:
             return f"ignore_eos must be True or False, got {self.ignore_eos!r}"
         if self.stop_token_ids is not None and not all(_is_int(t) for t in self.stop_token_ids):
             return f"stop_token_ids must be ints, got {self.stop_token_ids!r}"
+        return self._text_problem()
+
+    def _text_problem(self) -> str | None:
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            return f"n must be an int in [1, {MAX_N}], got {self.n!r}"
+        if self.stop is not None and not (
+            isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop)
+        ):
+            return f"stop must be a str or a list of non-empty str, got {self.stop!r}"
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            return f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+        if not isinstance(self.detokenize, bool):
+            return f"detokenize must be a bool, got {self.detokenize!r}"
         return None
 
 
 SEED_LIMIT = 2**63  # seeds are 63-bit; a larger one would silently alias a smaller one
+MAX_N = 128
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
+
+
+def sample_seed(seed: int, j: int) -> int:
+    """The seed of sample j of a request seeded `seed`: `seed` for j = 0, else the splitmix64
+    finaliser of (seed + j * 0x9E3779B97F4A7C15) mod 2**64, keeping the low 63 bits."""
+    if j == 0:
+        return seed
+    z = (seed + j * 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+_M64 = (1 << 64) - 1
+
+
 _MIN_TEMPERATURE = 1e-6  # below this fp32 logits / T overflow; use 0 for greedy
 
 

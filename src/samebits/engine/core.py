@@ -1,0 +1,286 @@
+"""The engine core: requests in flight, one step at a time.
+
+`EngineCore` owns the schedule -> run -> postprocess loop that `LLM.generate` and the
+`AsyncEngine` both drive. Requests come and go between steps (`add_request`, `abort`);
+`step()` runs one batch and reports what each sample gained. A request is n sequences
+(its samples); every sequence is sampled from its own seed and output index only, and
+every kernel is batch invariant, so what a request gets never depends on what else ran.
+
+Not thread safe by itself: callers hold `lock` (the LLM's methods do, through
+`exclusive`; the AsyncEngine's thread does, per step).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from samebits.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
+from samebits.requests.sampling_params import SamplingParams, sample_seed
+from samebits.engine.sequence import Sequence as Seq
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request. `logprobs` is float32, one per generated token;
+    `top_logprobs` (when asked with `logprobs=k`) holds k (token, log-prob) pairs per token."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: torch.Tensor
+    text: str
+    finish_reason: str | None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One request. The flat fields are sample 0's; `outputs` holds all n samples."""
+
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: torch.Tensor
+    finish_reason: str | None
+    num_preemptions: int = 0
+    text: str = ""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    request_id: str | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one sample gained in one step: new tokens, their log-probs, and its finish
+    reason on the step it finished."""
+
+    request_id: str
+    sample: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+
+
+@dataclass
+class EngineStats:
+    """Counters for /metrics, updated by `step`."""
+
+    generated_tokens: int = 0
+    steps: int = 0
+    last_step_seconds: float = 0.0
+    step_seconds: float = 0.0  # summed over all steps
+    aborted_requests: int = 0  # requests abort() stopped before they finished
+    last_step_tokens: int = 0
+
+
+class _Request:
+    def __init__(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams):
+        self.request_id = request_id
+        self.index = index
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.seqs: list[Seq] = []
+        self.detoks: list[IncrementalDetokenizer | None] = []
+        self.tops: list[list] = []
+
+
+def exclusive(method):
+    """Run an LLM method holding its engine lock, so a call from another thread waits its
+    turn; refused while requests are in flight (an AsyncEngine's), which it would corrupt."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.core.lock:
+            self.core.check_idle(method.__name__)
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
+class EngineCore:
+    """Requests in flight over one LLM's scheduler and runner."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.lock = threading.RLock()
+        self.stats = EngineStats()
+        self._requests: dict[str, _Request] = {}
+        self._by_seq: dict[int, tuple[_Request, int]] = {}  # seq_id -> (request, sample index)
+        self._auto_ids = itertools.count()
+        self._tokenizer = None
+        self._tokenizer_loaded = False
+
+    @property
+    def tokenizer(self):
+        """The checkpoint's tokenizer, loaded on first use; None when it has none."""
+        if not self._tokenizer_loaded:
+            self._tokenizer = load_tokenizer(self.llm.path)
+            self._tokenizer_loaded = True
+        return self._tokenizer
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams, index: int = 0) -> str:
+        """Validate (ValueError naming the field) and queue one request's n samples; -> its id."""
+        ids = self.llm._validate(index, prompt, params)
+        self.check_text(index, params)
+        state = self.llm._prepare_states([prompt], [ids])[0]
+        return self.add_validated(request_id, index, ids, params, state)
+
+    def check_text(self, i: int, params: SamplingParams) -> None:
+        """ValueError when a request asks for text features the checkpoint cannot give."""
+        if params.stop and (not params.detokenize or self.tokenizer is None):
+            why = "detokenize=False" if self.tokenizer is not None else f"{self.llm.path} has no tokenizer"
+            raise ValueError(f"request {i}: stop strings need detokenized text, but {why}")
+
+    def check_idle(self, what: str) -> None:
+        if self.has_unfinished():
+            n = len(self._requests)
+            raise RuntimeError(
+                f"{what}: {n} requests are in flight on this engine (an AsyncEngine's); "
+                "wait for them to finish or abort them first"
+            )
+
+    def add_validated(self, request_id, index: int, ids: list[int], params: SamplingParams, state=None) -> str:
+        """Queue an already validated request's n samples; sample j gets `sample_seed(seed, j)`."""
+        request_id = f"req-{next(self._auto_ids)}" if request_id is None else str(request_id)
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        req = _Request(request_id, index, ids, params)
+        for j in range(params.n):
+            seq = self.llm._new_seq(index, ids, params)
+            if j:
+                seq.seed = sample_seed(req.seqs[0].seed, j)
+            seq.family_state = state
+            req.seqs.append(seq)
+            req.detoks.append(self._detokenizer(ids, params))
+            req.tops.append([])
+        for seq in req.seqs:  # may raise (a sequence larger than the cache): nothing queued
+            self.llm.scheduler.check_fits(seq)
+        self._requests[request_id] = req
+        for j, seq in enumerate(req.seqs):
+            self._by_seq[seq.seq_id] = (req, j)
+            self.llm.scheduler.add(seq)
+        return request_id
+
+    def _detokenizer(self, ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+        if not params.detokenize or self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish every unfinished sample of the request with "abort", freeing its KV blocks
+        at once. -> False when no such request is known."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        if not all(s.is_finished for s in req.seqs):
+            self.stats.aborted_requests += 1
+        for seq, detok in zip(req.seqs, req.detoks, strict=True):
+            if not seq.is_finished:
+                self.llm.scheduler.finish(seq, "abort")
+                if detok:
+                    detok.finish()
+        return True
+
+    def abort_all(self) -> None:
+        """Abort and forget every request (after an error inside a step)."""
+        self.llm.scheduler.abort_all()
+        self._requests.clear()
+        self._by_seq.clear()
+
+    def has_unfinished(self) -> bool:
+        return self.llm.scheduler.has_unfinished()
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    # -- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[Delta]:
+        """Schedule -> run -> postprocess one batch; -> what each sampled sequence gained."""
+        sched = self.llm.scheduler
+        if not sched.has_unfinished():
+            return []
+        t0 = time.perf_counter()
+        batch = sched.schedule()
+        chunks = [c for c in batch.chunks if c.samples]
+        reqs = [self.llm._sample_request(c.seq) for c in chunks]
+        sampled = self.llm.runner.run(batch, reqs)
+        by_id = {c.seq.seq_id: out for c, out in zip(chunks, sampled, strict=True)}
+        sched.postprocess(batch, by_id)
+        deltas = [self._advance(c.seq, by_id[c.seq.seq_id]) for c in chunks]
+        self.stats.steps += 1
+        self.stats.generated_tokens += len(chunks)
+        self.stats.last_step_tokens = batch.num_tokens
+        self.stats.last_step_seconds = time.perf_counter() - t0
+        self.stats.step_seconds += self.stats.last_step_seconds
+        return deltas
+
+    def _advance(self, seq: Seq, out: tuple) -> Delta:
+        req, j = self._by_seq[seq.seq_id]
+        if req.params.logprobs:
+            req.tops[j].append(out[2])
+        detok = req.detoks[j]
+        if detok is not None:
+            detok.add(out[0])
+            if detok.stopped is not None:
+                if seq.is_finished:
+                    seq.finish_reason = "stop"
+                else:
+                    self.llm.scheduler.finish(seq, "stop")
+            if seq.is_finished:
+                detok.finish()
+        return Delta(req.request_id, j, [out[0]], [out[1]], seq.finish_reason if seq.is_finished else None)
+
+    # -- results --------------------------------------------------------------------------
+
+    def is_finished(self, request_id: str) -> bool:
+        return all(s.is_finished for s in self._requests[request_id].seqs)
+
+    def output(self, request_id: str) -> RequestOutput:
+        """A snapshot of the request so far (cumulative tokens, log-probs and text)."""
+        req = self._requests[request_id]
+        outs = [
+            CompletionOutput(
+                index=j,
+                token_ids=list(seq.output_token_ids),
+                logprobs=torch.tensor(seq.logprobs, dtype=torch.float32),
+                text=req.detoks[j].text if req.detoks[j] is not None else "",
+                finish_reason=seq.finish_reason,
+                top_logprobs=list(req.tops[j]) if req.params.logprobs else None,
+            )
+            for j, seq in enumerate(req.seqs)
+        ]
+        first = outs[0]
+        return RequestOutput(
+            index=req.index,
+            prompt_token_ids=list(req.prompt_ids),
+            token_ids=first.token_ids,
+            logprobs=first.logprobs,
+            finish_reason=first.finish_reason,
+            num_preemptions=req.seqs[0].num_preemptions,
+            text=first.text,
+            top_logprobs=first.top_logprobs,
+            request_id=request_id,
+            outputs=outs,
+        )
+
+    def pop(self, request_id: str) -> RequestOutput:
+        """The request's final output; the core forgets it (its samples must be finished)."""
+        if not self.is_finished(request_id):
+            raise RuntimeError(f"request {request_id!r} is still running")
+        out = self.output(request_id)
+        req = self._requests.pop(request_id)
+        for seq in req.seqs:
+            self._by_seq.pop(seq.seq_id, None)
+        return out

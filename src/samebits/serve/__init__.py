@@ -1,0 +1,1 @@
+"""`samebits serve`: the AsyncEngine's HTTP face (OpenAI-compatible and SGLang-style endpoints)."""

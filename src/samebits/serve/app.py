@@ -1,0 +1,114 @@
+"""The FastAPI app: OpenAI-compatible and SGLang-style endpoints over one AsyncEngine.
+
+Every request is checked in full (body, sampling params, prompt ids) before anything is
+queued, so a bad one is a 400 with an OpenAI error body naming the field and nothing runs.
+A prompt list becomes one engine request per prompt (`<id>-<i>`); `n` samples ride in
+each. Streams end with the finish reason; a client that goes away aborts its requests.
+The generation endpoints themselves are in `handlers.py`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from samebits.engine.async_engine import AsyncEngine, EngineDeadError
+from samebits.serve import formats, handlers
+from samebits.serve.errors import ApiError, error_response, param_of
+from samebits.serve.metrics import make_registry, render
+from samebits.serve.protocol import AbortRequest, UnsupportedField
+from samebits.serve.streams import ClientGone, finals, merged, unless_disconnected
+
+
+class Service:
+    """What every endpoint shares: the engine, the model's name, token texts."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self.tok = formats.TokenText(engine.core.tokenizer)
+        self.ids_tok = formats.TokenText(None)  # "token_id:<id>" (return_tokens_as_token_ids)
+        self.created = int(time.time())
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            msg = f"model: the model {model!r} does not exist; this server has {self.model_name!r}"
+            raise ApiError(404, msg, "model")
+
+    def prepare(self, prompts: list, make_params, default_param: str) -> tuple:
+        """-> (SamplingParams, prompt ids) after every check, or ApiError(400)."""
+        try:
+            params = make_params()
+            ids = [self.engine.validate(i, p, params) for i, p in enumerate(prompts)]
+        except UnsupportedField as e:
+            raise ApiError(400, str(e), e.field) from e
+        except (ValueError, TypeError) as e:
+            raise ApiError(400, str(e), param_of(str(e), default_param)) from e
+        return params, ids
+
+    def start(self, ids: list[list[int]], params, rid: str) -> list:
+        """One engine stream per prompt (not started until iterated)."""
+        gen = self.engine.generate
+        return [gen(p, params, f"{rid}-{i}" if len(ids) > 1 else rid) for i, p in enumerate(ids)]
+
+    async def respond(self, request: Request, gens: list, stream: bool, whole, chunks) -> Response:
+        """A stream of SSE events, or the whole JSON once every prompt finished."""
+        if stream:
+            return StreamingResponse(chunks(merged(gens)), media_type="text/event-stream")
+        try:
+            outs = await unless_disconnected(request, finals(gens))
+        except ClientGone:
+            return Response(status_code=499)
+        except EngineDeadError as e:
+            return error_response(503, str(e), None, "server_error")
+        except ValueError as e:  # found by the engine thread (a request id already in flight)
+            return error_response(400, str(e), param_of(str(e), "rid"))
+        return JSONResponse(whole(outs))
+
+
+def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+    """The HTTP face of `engine`, serving `model_name`."""
+    app = FastAPI(title="samebits")
+    svc = Service(engine, model_name)
+    registry = make_registry(engine.llm, engine)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(_, exc: RequestValidationError):
+        first = exc.errors()[0]
+        param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+        return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_, exc: ApiError):
+        return error_response(exc.status, exc.message, exc.param, exc.kind)
+
+    @app.get("/health")
+    async def health():
+        if engine.error is not None:
+            return error_response(503, f"engine stopped: {engine.error!r}", None, "server_error")
+        return {}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": svc.created, "owned_by": "samebits"}
+        return {"object": "list", "data": [card | {"max_model_len": engine.llm.engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(render(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortRequest):
+        if body.abort_all:
+            engine.abort_all()
+        elif body.rid:
+            engine.abort(body.rid, group=True)
+        else:
+            raise ApiError(400, "rid: give the request id to abort, or abort_all: true", "rid")
+        return {}
+
+    handlers.register(app, svc)
+    return app

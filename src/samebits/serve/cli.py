@@ -1,0 +1,108 @@
+"""`samebits serve`: load the engine, start the AsyncEngine, serve HTTP with uvicorn."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser(
+        "serve",
+        help="serve a checkpoint over HTTP: OpenAI /v1/completions and /v1/chat/completions, SGLang /generate",
+        description="Runs the engine in a background thread behind FastAPI + uvicorn. Endpoints: /health, "
+        "/v1/models, /v1/completions, /v1/chat/completions, /generate, /abort_request, /metrics "
+        "(docs/serve.md). Logs one line when ready. With no --model: the built-in tiny model with a "
+        "tiny byte-level tokenizer (CPU).",
+    )
+    s.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in tiny model + tokenizer)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    s.add_argument("--served-model-name", default=None, help="name in the API (default: the dir's, or 'tiny')")
+    s.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
+    s.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    s.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together (default 8)")
+    s.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt + output tokens (default: min(4096, the model's limit))",
+    )
+    s.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
+    s.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
+    s.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: max_num_seqs full seqs)")
+    s.add_argument("--numerics", default="exact", choices=("exact", "fast"), help="numerics profile")
+    s.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA")
+    s.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    s.set_defaults(fn=run)
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from samebits import LLM
+    from samebits.engine.async_engine import AsyncEngine
+    from samebits.serve.app import build_app
+
+    model = Path(args.model) if args.model else _tiny_model()
+    try:
+        llm = LLM(
+            model,
+            device=args.device,
+            dtype=args.dtype,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len or _default_len(model),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            numerics=args.numerics,
+            cuda_graphs=not args.no_cuda_graphs,
+        )
+    except (ValueError, OSError) as e:
+        print(f"samebits serve: {e}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or (model.name if args.model else "tiny")
+    engine = AsyncEngine(llm)
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        print(f"samebits serve: cannot bind {args.host}:{args.port}: {e}", file=sys.stderr)
+        engine.close()
+        return 2
+    sock.listen(2048)
+    port = sock.getsockname()[1]
+    app = build_app(engine, name)
+
+    @asynccontextmanager
+    async def lifespan(_):
+        url = f"http://{args.host}:{port}"
+        print(f"samebits serve: ready on {url} (model {name!r})", file=sys.stderr, flush=True)
+        yield
+
+    app.router.lifespan_context = lifespan
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.close()
+    return 0
+
+
+def _default_len(model: Path) -> int:
+    import json
+
+    try:
+        limit = json.loads((model / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        limit = None
+    return min(4096, limit) if isinstance(limit, int) and limit > 0 else 4096
+
+
+def _tiny_model() -> Path:
+    from samebits.model.tiny_tokenizer import tiny_checkpoint_with_tokenizer
+
+    return tiny_checkpoint_with_tokenizer()

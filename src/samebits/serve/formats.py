@@ -1,0 +1,176 @@
+"""JSON shapes of the responses: OpenAI completions and chat (whole and streamed), SGLang /generate.
+
+Log-probs are the engine's float32 values as Python floats: JSON writes a float's shortest
+round-trip repr, so a client that reads the number back and casts it to float32 gets the
+same bits. Only non-finite values (a top alternative with probability 0) become -9999.0,
+as vLLM writes them, since JSON has no -Infinity.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from samebits.engine.core import CompletionOutput, RequestOutput
+
+
+def finite(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0
+
+
+class TokenText:
+    """Each token's own text: its decode, or `token_id:<id>` without a tokenizer (vLLM's form)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+
+@dataclass
+class Ctx:
+    """What shapes one OpenAI response: token texts, top-k (None: no log-probs), whether
+    choices carry token ids (vLLM's `return_token_ids`)."""
+
+    tok: TokenText
+    logprobs: int | None
+    return_token_ids: bool
+
+
+def _with_ids(choice: dict, request: RequestOutput, out: CompletionOutput, part: slice, ctx: Ctx) -> dict:
+    """Add the generated ids, and the prompt ids in a sample's first piece."""
+    if ctx.return_token_ids:
+        choice["token_ids"] = out.token_ids[part]
+        if part.start == 0:
+            choice["prompt_token_ids"] = request.prompt_token_ids
+    return choice
+
+
+@dataclass
+class SampleCursor:
+    """How much of one sample a stream has already sent."""
+
+    tokens: int = 0
+    text: int = 0
+    done: bool = False
+
+
+@dataclass
+class StreamState:
+    cursors: dict[tuple[int, int], SampleCursor] = field(default_factory=dict)
+
+    def new_part(self, i: int, out: CompletionOutput) -> tuple[slice, str, bool] | None:
+        """(new token slice, new text, finished now) of prompt i's sample, or None if nothing new."""
+        c = self.cursors.setdefault((i, out.index), SampleCursor())
+        if c.done:
+            return None
+        part = slice(c.tokens, len(out.token_ids))
+        text = out.text[c.text :]
+        finished = out.finish_reason is not None
+        if part.start == part.stop and not text and not finished:
+            return None
+        c.tokens, c.text, c.done = part.stop, len(out.text), finished
+        return part, text, finished
+
+
+# -- OpenAI completions ---------------------------------------------------------------------
+
+
+def completion_logprobs(out: CompletionOutput, part: slice, tok: TokenText, k: int) -> dict:
+    ids = out.token_ids[part]
+    top = None
+    if k:
+        top = [{tok(t): finite(v) for t, v in row} for row in out.top_logprobs[part]]
+    return {
+        "tokens": [tok(t) for t in ids],
+        "token_logprobs": [finite(v) for v in out.logprobs[part].tolist()],
+        "top_logprobs": top,
+        "text_offset": None,
+    }
+
+
+def completion_choice(
+    index: int, request: RequestOutput, out: CompletionOutput, part: slice, text: str, finished: bool, ctx: Ctx
+) -> dict:
+    """One completions choice (whole) or piece of one (streamed): tokens `part` of sample `out`."""
+    choice = {
+        "index": index,
+        "text": text,
+        "logprobs": None if ctx.logprobs is None else completion_logprobs(out, part, ctx.tok, ctx.logprobs),
+        "finish_reason": out.finish_reason if finished else None,
+    }
+    return _with_ids(choice, request, out, part, ctx)
+
+
+# -- OpenAI chat ----------------------------------------------------------------------------
+
+
+def _chat_entry(tok: TokenText, t: int, v: float) -> dict:
+    s = tok(t)
+    return {"token": s, "logprob": finite(v), "bytes": list(s.encode())}
+
+
+def chat_logprobs(out: CompletionOutput, part: slice, tok: TokenText, k: int) -> dict:
+    rows = out.top_logprobs[part] if k else [[] for _ in out.token_ids[part]]
+    content = []
+    for t, v, row in zip(out.token_ids[part], out.logprobs[part].tolist(), rows, strict=True):
+        entry = _chat_entry(tok, t, v)
+        entry["top_logprobs"] = [_chat_entry(tok, a, b) for a, b in row]
+        content.append(entry)
+    return {"content": content}
+
+
+def chat_choice(
+    request: RequestOutput, out: CompletionOutput, part: slice, text: str, finished: bool, ctx: Ctx, delta: bool
+) -> dict:
+    """One chat choice (`message`) or streamed piece of one (`delta`, with the role first)."""
+    key, message = ("delta", {"content": text}) if delta else ("message", {"content": text})
+    if not delta or part.start == 0:
+        message["role"] = "assistant"
+    choice = {
+        "index": out.index,
+        key: message,
+        "logprobs": None if ctx.logprobs is None else chat_logprobs(out, part, ctx.tok, ctx.logprobs),
+        "finish_reason": out.finish_reason if finished else None,
+    }
+    return _with_ids(choice, request, out, part, ctx)
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# -- SGLang /generate -----------------------------------------------------------------------
+
+
+def sglang_finish_reason(out: CompletionOutput) -> dict | None:
+    if out.finish_reason is None:
+        return None
+    reason = {"type": out.finish_reason}
+    if out.finish_reason == "length":
+        reason["length"] = len(out.token_ids)
+    return reason
+
+
+def sglang_output(request: RequestOutput, out: CompletionOutput, return_logprob: bool, k: int) -> dict:
+    meta = {
+        "id": request.request_id,
+        "finish_reason": sglang_finish_reason(out),
+        "prompt_tokens": len(request.prompt_token_ids),
+        "completion_tokens": len(out.token_ids),
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [
+            [finite(v), t, None] for v, t in zip(out.logprobs.tolist(), out.token_ids, strict=True)
+        ]
+        if k:
+            meta["output_top_logprobs"] = [[[finite(v), t, None] for t, v in row] for row in out.top_logprobs]
+    result = {"text": out.text, "output_ids": list(out.token_ids), "meta_info": meta}
+    if len(request.outputs) > 1:
+        result["index"] = out.index
+    return result

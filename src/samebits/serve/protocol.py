@@ -1,0 +1,198 @@
+"""Request bodies of the HTTP API (pydantic): OpenAI completions and chat, SGLang /generate.
+
+Field names are the OpenAI / vLLM / SGLang ones. Unknown fields are ignored (clients send
+defaults for things we do not have); known fields we do not support are refused with 400
+when set to anything but their no-op value. `to_params` maps a body to `SamplingParams`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from samebits.requests.sampling_params import SamplingParams
+
+TokenIds = list[StrictInt]
+
+
+class UnsupportedField(ValueError):
+    """A known API field set to a value samebits does not implement."""
+
+    def __init__(self, field: str, why: str):
+        super().__init__(f"{field}: {why}")
+        self.field = field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: StrictInt = 1
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    # vLLM extras
+    top_k: StrictInt = -1
+    min_tokens: StrictInt = 0
+    ignore_eos: bool = False
+    stop_token_ids: TokenIds | None = None
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # log-prob tokens as "token_id:<id>" (unique keys)
+    # OpenAI fields that must stay at their no-op value
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+
+    def check_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise UnsupportedField(name, "penalties are not supported (they would change the log-probs)")
+        if self.logit_bias:
+            raise UnsupportedField("logit_bias", "is not supported")
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+    def to_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """ValueError naming the field when a value is out of range."""
+        self.check_unsupported()
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            seed=self.seed,
+            stop_token_ids=self.stop_token_ids,
+            n=self.n,
+            stop=self.stop or None,
+            logprobs=logprobs,
+        )
+
+
+class CompletionRequest(_Body):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: StrictInt = 16
+    logprobs: StrictInt | None = None
+    echo: bool = False
+    best_of: StrictInt | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+            return [p]
+        if not p:
+            raise ValueError("prompt: is empty")
+        return list(p)
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.echo:
+            raise UnsupportedField("echo", "is not supported")
+        if self.best_of not in (None, self.n):
+            raise UnsupportedField("best_of", "is not supported (use n)")
+        if self.suffix:
+            raise UnsupportedField("suffix", "is not supported")
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def as_template_input(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_Body):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: bool = False
+    top_logprobs: StrictInt | None = None
+
+    def max_new(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or 16
+
+    def logprobs_k(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class SGLangSamplingParams(BaseModel):
+    """SGLang's `sampling_params` object."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    max_new_tokens: StrictInt = 128
+    min_new_tokens: StrictInt = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: StrictInt = -1
+    stop: str | list[str] | None = None
+    stop_token_ids: TokenIds | None = None
+    ignore_eos: bool = False
+    n: StrictInt = 1
+    sampling_seed: StrictInt | None = None
+
+
+class GenerateRequest(BaseModel):
+    """POST /generate (SGLang's native shape); one prompt per call."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str | None = None
+    input_ids: TokenIds | None = None
+    sampling_params: SGLangSamplingParams = Field(default_factory=SGLangSamplingParams)
+    return_logprob: bool = False
+    top_logprobs_num: StrictInt = 0
+    stream: bool = False
+    rid: str | None = None
+
+    def prompt(self) -> str | list[int]:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("text: give exactly one of text and input_ids")
+        return self.text if self.text is not None else self.input_ids
+
+    def to_params(self) -> SamplingParams:
+        sp = self.sampling_params
+        return SamplingParams(
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            max_tokens=sp.max_new_tokens,
+            min_tokens=sp.min_new_tokens,
+            ignore_eos=sp.ignore_eos,
+            seed=sp.sampling_seed,
+            stop_token_ids=sp.stop_token_ids,
+            n=sp.n,
+            stop=sp.stop or None,
+            logprobs=self.top_logprobs_num or None,
+        )
+
+
+class AbortRequest(BaseModel):
+    """POST /abort_request: SGLang's `rid`, or `abort_all`."""
+
+    rid: str = ""
+    abort_all: bool = False
