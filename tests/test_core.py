@@ -11,9 +11,9 @@ import torch
 from samebits import LLM, SamplingParams
 from samebits.engine.detokenizer import IncrementalDetokenizer
 from samebits.engine.sampler import SampleRequest, sample
-from samebits.requests.sampling_params import sample_seed
 from samebits.model.tiny_tokenizer import add_tiny_tokenizer, build_tiny_tokenizer
 from samebits.numerics.ops import reported_logprobs
+from samebits.requests.sampling_params import sample_seed
 from samebits.verify import make_prompts
 
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from samebits.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
-from samebits.requests.sampling_params import SamplingParams, sample_seed
 from samebits.engine.sequence import Sequence as Seq
+from samebits.requests.sampling_params import SamplingParams, sample_seed
 
 
 @dataclass
