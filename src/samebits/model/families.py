@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 
+from samebits.model.config_files import read_config_json
 from samebits.model.family import ModelFamily
 from samebits.model.omni_family import Qwen3OmniFamily
 from samebits.model.qwen3_moe import Qwen3MoeFamily
@@ -26,6 +26,5 @@ def _config_dict(source) -> dict:
     if isinstance(source, Mapping):
         return dict(source)
     if isinstance(source, str | Path):
-        path = Path(source) / "config.json"
-        return json.loads(path.read_text()) if path.is_file() else {}
+        return read_config_json(source)  # a missing file or bad JSON refused by name
     return source.to_dict()  # a transformers PretrainedConfig
