@@ -10,6 +10,7 @@ target here.
     scripts/mutants.sh                       # every mutant, the batch-invariance tests
     scripts/mutants.sh --all                 # every mutant, the whole CPU suite
     scripts/mutants.sh stock-gemm -- -k wide # one mutant, extra pytest arguments
+    scripts/mutants.sh --tests tests/test_kernels.py tests/test_engine.py  # other test files
 
 Exit status: 0 every mutant killed, 1 a mutant survived, 2 a patch target not found.
 """
@@ -188,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mutants", nargs="*", help=f"names (default all): {[m.name for m in MUTANTS]}")
     parser.add_argument("--all", action="store_true", help="run the whole CPU suite, not the subset")
+    parser.add_argument("--tests", nargs="+", help="test files to run instead of the subset")
     parser.add_argument("--no-baseline", action="store_true", help="count every failure as a kill")
     args, extra = parser.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.mutants) - {m.name for m in MUTANTS}
     if unknown:
         parser.error(f"unknown mutants {sorted(unknown)}")
-    tests = ["tests"] if args.all else SUBSET
+    tests = ["tests"] if args.all else args.tests or SUBSET
     with tempfile.TemporaryDirectory(prefix="samebits-mutants-") as tmp:
         for m in chosen:  # every target first, so a stale one fails before any suite runs
             try:
