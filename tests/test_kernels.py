@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from samebits.kernels.attention import attention_ref, varlen_attention
-from samebits.kernels.experts import experts_ref
+from samebits.kernels.experts import experts_ref, experts_stock
 from samebits.kernels.matmul import matmul_ref
 from samebits.kernels.reduce import tree_sum_ref
 from samebits.kernels.softmax import log_softmax_ref
@@ -30,9 +30,12 @@ def test_tree_sum_is_independent_of_padding_width():
     for extra in (1, 27, 91, 219):
         padded = torch.cat([x, torch.full((5, extra), -0.0)], dim=-1)
         assert torch.equal(tree_sum_ref(padded, -1), ref)
-    # negative control: padding with +0.0 changes the sign of an all -0.0 row
-    z = torch.full((1, 3), -0.0)
-    assert torch.signbit(tree_sum_ref(z, -1)).all()
+    # control: torch's stock sum over the same -0.0 padded rows changes its bits with the
+    # padding width (its vector lanes group the adds by width), so the check can see a width effect
+    stock = [
+        torch.equal(torch.cat([x, torch.full((5, e), -0.0)], -1).sum(-1), x.sum(-1)) for e in (27, 91, 219)
+    ]
+    assert not all(stock)
 
 
 def _padded_tree(x, dim):
@@ -80,6 +83,19 @@ def test_matmul_negative_control_stock_fp32_mm_varies_with_m():
     assert any(differs)
 
 
+def test_matmul_bf16_at_model_width_and_its_stock_control():
+    """bf16 at K=2048 (a released model's hidden), where stock CPU bf16 GEMM rows do depend on M
+    (at the widths above they do not, so there only fp32 has a control)."""
+    b = (torch.randn(2048, 1536, generator=_g(41)) * 2048**-0.5).bfloat16()
+    a = torch.randn(20, 2048, generator=_g(42)).bfloat16()
+    full = matmul_ref(a, b)
+    for m in (1, 3, 17):
+        assert torch.equal(matmul_ref(a[:m], b), full[:m])
+    # control: the same comparison on stock mm
+    stock = torch.mm(a, b)
+    assert any(not torch.equal(torch.mm(a[:m], b), stock[:m]) for m in (1, 3, 17))
+
+
 def test_batch_invariant_mode_routes_linear_through_the_kernel():
     w = torch.randn(384, 96, generator=_g(5))
     x = torch.randn(8, 96, generator=_g(6))
@@ -103,6 +119,22 @@ def test_log_softmax_row_invariant(dtype):
     full = log_softmax_ref(x, -1, torch.float32)
     for i in range(9):
         assert torch.equal(log_softmax_ref(x[i : i + 1], -1, torch.float32)[0], full[i])
+    # control: a log_softmax whose row sum is split by the batch size (as split reductions on a
+    # GPU choose their split from the shape) gives a row other bits alone. Stock CPU log_softmax
+    # cannot serve: it is row-invariant here (measured at widths 301 and 8256).
+    split = _batch_split_log_softmax(x)
+    assert any(not torch.equal(_batch_split_log_softmax(x[i : i + 1])[0], split[i]) for i in range(9))
+
+
+def _batch_split_log_softmax(x):
+    """log_softmax in fp32 whose row sum adds one partial sum per row of the batch."""
+    xf = x.float()
+    shifted = xf - xf.amax(-1, keepdim=True)
+    parts = [p.sum(-1, keepdim=True) for p in shifted.exp().tensor_split(x.shape[0], dim=-1)]
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return shifted - total.log()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -134,14 +166,21 @@ def test_attention_same_bits_packed_chunked_and_decode(dtype, heads, kv_heads):
     assert torch.equal(chunk[0], alone[13:])
 
 
-def test_attention_negative_control_sdpa_differs():
+def test_attention_control_stock_sdpa_decode_differs_from_its_prefill():
+    """Control for the decode/chunked claim above: stock sdpa gives a row other bits when it is
+    computed alone over keys padded to a batch's width (decode) than inside the full prefill."""
     d, n, h = 24, 29, 4
-    q, k, v = (torch.randn(1, h, n, d, generator=_g(s)).bfloat16() for s in (14, 15, 16))
-    ours = attention_ref(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), torch.arange(n)[None], d**-0.5
-    )
-    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
-    assert not torch.equal(ours, sdpa)
+    q, k, v = (torch.randn(1, h, n, d, generator=_g(s)) for s in (14, 15, 16))
+    prefill = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    differs = 0
+    for t in (1, 7, 13, n - 1):
+        pad = 40 - (t + 1)
+        kk = torch.cat([k[:, :, : t + 1], torch.randn(1, h, pad, d, generator=_g(t))], dim=2)
+        vv = torch.cat([v[:, :, : t + 1], torch.randn(1, h, pad, d, generator=_g(t + 1))], dim=2)
+        mask = (torch.arange(40) <= t).view(1, 1, 1, 40)
+        row = torch.nn.functional.scaled_dot_product_attention(q[:, :, t : t + 1], kk, vv, attn_mask=mask)
+        differs += not torch.equal(row[:, :, 0], prefill[:, :, t])
+    assert differs
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -156,6 +195,16 @@ def test_experts_token_alone_equals_token_in_batch(dtype, experts, top_k):
     full = experts_ref(x, idx, w, gu, dn)
     for j in range(t):
         assert torch.equal(experts_ref(x[j : j + 1], idx[j : j + 1], w[j : j + 1], gu, dn)[0], full[j])
+    # control: the stock experts (per-expert stock GEMMs over the tokens that chose the expert)
+    # give a token other bits alone. Measured: in fp32 at every shape here; in bf16 stock rows
+    # agree at these widths (and at hidden 2048 / intermediate 768 with 12 tokens), so bf16 has
+    # no stock control here; tests/test_wide.py has one at the model width.
+    if dtype == torch.float32:
+        stock = experts_stock(x, idx, w, gu, dn)
+        assert any(
+            not torch.equal(experts_stock(x[j : j + 1], idx[j : j + 1], w[j : j + 1], gu, dn)[0], stock[j])
+            for j in range(t)
+        )
 
 
 def test_experts_have_a_backward():

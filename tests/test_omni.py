@@ -259,6 +259,7 @@ def test_negative_control_split_residual_differs_from_visual_rows_on(rollout):
 
 
 def test_negative_control_stock_experts_in_trainer(ckpts, rollout):
+    """A formula control: grouped_mm rounds once more than samebits' experts."""
     _, outs, _ = rollout
     lps = _recompute(ckpts["full"], outs, packed=True, experts_implementation="grouped_mm")
     assert sum(_mismatches(outs, lps).values()) > 0

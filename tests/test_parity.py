@@ -51,23 +51,30 @@ def test_rollout_equals_trainer_bitwise(checkpoints, case):
         for out, lp in zip(batched, lps, strict=True):
             assert lp.dtype == torch.float32 and out.logprobs.dtype == torch.float32
             assert torch.equal(out.logprobs, lp), (case, packed, (out.logprobs != lp).sum())
-    # negative control: stock transformers experts in the trainer; the same check must fail.
-    # (In fp32 grouped_mm has no bf16 rounding to differ in under the overrides; the fp32
-    # negative control is the trainer without batch_invariant(), below.)
+    # formula control (not a batching one): stock transformers experts in the trainer round
+    # once more, so the same check must fail. (In fp32 grouped_mm has no bf16 rounding to differ
+    # in under the overrides; the fp32 control is the trainer without batch_invariant(), below.)
+    # The batching controls, at a width where stock kernels depend on the batch: test_wide.py.
     if case == "fp32":
         return
     neg = _recompute(checkpoints[case], dtype, batched, temperature, True, experts_implementation="grouped_mm")
     assert any(not torch.equal(o.logprobs, lp) for o, lp in zip(batched, neg, strict=True))
 
 
-def test_negative_control_stock_attention_differs(tiny):
+def test_formula_control_stock_attention_differs(tiny):
+    """sdpa reduces in another order than samebits' attention: the comparison sees a formula
+    change (the batching controls are in test_wide.py)."""
     batched, _ = _rollout(tiny, "bfloat16", 1.0)
     neg = _recompute(tiny, "bfloat16", batched, 1.0, True, attn_implementation="sdpa")
     assert any(not torch.equal(o.logprobs, lp) for o, lp in zip(batched, neg, strict=True))
 
 
 def test_negative_control_trainer_without_batch_invariant_mode(checkpoints):
-    """Without the aten overrides the trainer's GEMMs/reductions are stock: fp32 shows it."""
+    """Without the aten overrides the trainer's GEMMs/reductions are stock: fp32 shows it.
+
+    A control for the overrides: the trainer's stock GEMMs pick their order from their own
+    shape, the engine's are fixed-shape. In bf16 the tiny widths cannot show it (stock rows
+    agree there); test_wide.py shows it at hidden 2048, as packed vs one at a time."""
     path = checkpoints["fp32"]
     batched, _ = _rollout(path, "float32", 1.0)
     model = trainer.load_hf_model(path, dtype=torch.float32)

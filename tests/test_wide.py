@@ -1,0 +1,181 @@
+"""Batch invariance at a released model's widths, where stock kernels do depend on the batch.
+
+At the tiny models' widths (hidden <= 96) stock CPU bf16 GEMMs give a row the same bits
+at every M, so a comparison there cannot fail for a batching reason. This file builds one
+decoder layer of Qwen3-30B-A3B's shape (hidden 2048, 128 experts top-8, expert
+intermediate 768, 32 query / 4 kv heads of 128) with a vocabulary of 8256 (past the 8192
+columns one block of the CUDA tree sum reduces), as a sharded HF checkpoint directory read
+by the real loaders, once per session.
+
+Claims, bitwise: a request alone = in a batch = with chunked prefill = after preemption
+(engine), and the trainer's recompute, packed or one sequence at a time, = the engine.
+Controls, the same comparisons on stock kernels (the `fast` profile; the trainer outside
+`batch_invariant()`), must differ: the reason each claim is about is the batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from samebits import LLM, SamplingParams, batch_invariant, trainer
+from samebits.model.loader import load_state_dict, save_tensor_stream
+from samebits.verify import make_prompts
+
+HIDDEN, EXPERTS, TOP_K, MOE_INTER = 2048, 128, 8, 768
+HEADS, KV_HEADS, HEAD_DIM, VOCAB = 32, 4, 128, 8256
+PROMPT_LENS = (9, 21, 4, 14)
+MAX_TOKENS = 6
+
+
+def _config() -> dict:
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=1,
+        mlp_only_layers=[],
+        intermediate_size=6144,
+        moe_intermediate_size=MOE_INTER,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+        max_position_embeddings=128,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        eos_token_id=1,
+        bos_token_id=0,
+    )
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    return cfg.to_dict() | {"dtype": "bfloat16"}
+
+
+def _tensors(seed: int):
+    """(HF name, bf16 tensor) of one sparse layer. Linear weights have std 1/sqrt(fan_in), so
+    activations stay O(1) at this width; the head's 3/sqrt(H) spreads the next-token
+    distribution (log-probs of a few units, not saturated at 0)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def dense(rows: int, cols: int, gain: float = 1.0) -> torch.Tensor:
+        return (torch.randn(rows, cols, generator=g) * (gain * cols**-0.5)).bfloat16()
+
+    def norm(n: int) -> torch.Tensor:
+        return (1 + 0.1 * torch.randn(n, generator=g)).bfloat16()
+
+    p = "model.layers.0."
+    yield "model.embed_tokens.weight", torch.randn(VOCAB, HIDDEN, generator=g).bfloat16()
+    yield p + "input_layernorm.weight", norm(HIDDEN)
+    yield p + "post_attention_layernorm.weight", norm(HIDDEN)
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    for name, (rows, cols) in {
+        "q": (q, HIDDEN),
+        "k": (kv, HIDDEN),
+        "v": (kv, HIDDEN),
+        "o": (HIDDEN, q),
+    }.items():
+        yield f"{p}self_attn.{name}_proj.weight", dense(rows, cols)
+    yield p + "self_attn.q_norm.weight", norm(HEAD_DIM)
+    yield p + "self_attn.k_norm.weight", norm(HEAD_DIM)
+    yield p + "mlp.gate.weight", dense(EXPERTS, HIDDEN, 2.0)
+    yield p + "mlp.experts.gate_up_proj", torch.stack([dense(2 * MOE_INTER, HIDDEN) for _ in range(EXPERTS)])
+    yield p + "mlp.experts.down_proj", torch.stack([dense(HIDDEN, MOE_INTER) for _ in range(EXPERTS)])
+    yield "model.norm.weight", norm(HIDDEN)
+    yield "lm_head.weight", dense(VOCAB, HIDDEN, 3.0)
+
+
+@pytest.fixture(scope="session")
+def wide(tmp_path_factory):
+    """The checkpoint directory: config.json, 3 shards of <= 512 MiB and their index (1.3 GB)."""
+    return save_tensor_stream(_config(), _tensors(seed=0), tmp_path_factory.mktemp("wide"), 1 << 29)
+
+
+@pytest.fixture(scope="module")
+def weights(wide):
+    """One bf16 copy of the weights, shared by every engine below (`LLM(weights=...)`)."""
+    return load_state_dict(wide, dtype=torch.bfloat16)[1]
+
+
+def _engine(wide, weights, numerics="exact", **kw) -> LLM:
+    return LLM(wide, weights=weights.items(), numerics=numerics, max_num_seqs=4, max_model_len=32, **kw)
+
+
+def _requests():
+    prompts = make_prompts(PROMPT_LENS, VOCAB, seed=3)
+    params = [SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=i) for i in range(4)]
+    return prompts, params
+
+
+def _runs(wide, weights, numerics):
+    """The four schedules of the same requests: batched, each alone, chunked, preempted."""
+    prompts, params = _requests()
+    batched = _engine(wide, weights, numerics).generate(prompts, params)
+    alone = [
+        _engine(wide, weights, numerics).generate([p], [s])[0] for p, s in zip(prompts, params, strict=True)
+    ]
+    chunked = _engine(wide, weights, numerics, max_num_batched_tokens=8).generate(prompts, params)
+    # 4 blocks of 8 slots: the 27-token request needs all 4, so the others are preempted
+    preempted = _engine(wide, weights, numerics, block_size=8, num_blocks=4).generate(prompts, params)
+    assert sum(o.num_preemptions for o in preempted) > 0
+    return batched, {"alone": alone, "chunked": chunked, "preempted": preempted}
+
+
+def _mismatches(a, b) -> int:
+    """Positions where two runs' sampled token or log-prob bits differ (over the common length)."""
+    n = 0
+    for x, y in zip(a, b, strict=True):
+        for i in range(min(len(x.token_ids), len(y.token_ids))):
+            same_bits = x.logprobs[i].view(torch.int32) == y.logprobs[i].view(torch.int32)
+            n += x.token_ids[i] != y.token_ids[i] or not bool(same_bits)
+    return n
+
+
+@pytest.fixture(scope="module")
+def exact(wide, weights):
+    return _runs(wide, weights, "exact")
+
+
+def test_wide_engine_alone_batched_chunked_preempted_bitwise(exact):
+    batched, others = exact
+    assert all(len(o.token_ids) == MAX_TOKENS for o in batched)
+    for name, outs in others.items():
+        assert [o.token_ids for o in outs] == [o.token_ids for o in batched], name
+        for x, y in zip(outs, batched, strict=True):
+            assert torch.equal(x.logprobs, y.logprobs), name
+
+
+def test_wide_control_fast_profile_depends_on_the_schedule(wide, weights):
+    """The same four schedules on stock kernels (stock GEMMs and experts) give other bits."""
+    batched, others = _runs(wide, weights, "fast")
+    for name, outs in others.items():
+        assert _mismatches(outs, batched) > 0, f"stock kernels gave {name} = batched: no batching effect"
+
+
+def _recompute(model, outs, packed: bool) -> list[torch.Tensor]:
+    seqs = [o.prompt_token_ids + o.token_ids for o in outs]
+    return trainer.token_logprobs(model, seqs, [len(o.prompt_token_ids) for o in outs], packed=packed)
+
+
+def test_wide_trainer_packed_and_one_at_a_time_equal_the_engine(wide, exact):
+    batched, _ = exact
+    model = trainer.load_hf_model(wide, dtype=torch.bfloat16)
+    with batch_invariant():
+        for packed in (True, False):
+            lps = _recompute(model, batched, packed)
+            for out, lp in zip(batched, lps, strict=True):
+                assert torch.equal(out.logprobs, lp), (packed, (out.logprobs != lp).sum())
+
+
+@pytest.mark.parametrize("experts", ["samebits", "grouped_mm"])
+def test_wide_control_trainer_without_batch_invariant_packing_changes_bits(wide, exact, experts):
+    """Outside `batch_invariant()` the trainer's GEMMs are stock (with samebits' experts and
+    attention: only the aten overrides removed; with grouped_mm: all stock): packing the
+    sequences into one row changes M, and so the bits."""
+    batched, _ = exact
+    model = trainer.load_hf_model(wide, dtype=torch.bfloat16, experts_implementation=experts)
+    packed, single = _recompute(model, batched, True), _recompute(model, batched, False)
+    assert any(not torch.equal(a, b) for a, b in zip(packed, single, strict=True))
