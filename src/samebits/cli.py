@@ -145,13 +145,13 @@ def _add_rl(sub) -> None:
         description="Each step: rollout with the samebits engine, rewards, trainer recompute of the "
         "old log-probs (packed, under batch_invariant()), bitwise comparison, AdamW update(s), "
         "weight sync into the engine and a sha256 digest check. Exit 0 only when every step has 0 "
-        "mismatches and equal digests. With no arguments: 5 steps on the built-in tiny model, CPU.",
+        "mismatches and equal digests. With no arguments: 10 steps on the built-in tiny model, CPU.",
     )
     r.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in tiny model)")
     r.add_argument("--device", default="cpu", help="torch device for engine and trainer (default: cpu)")
     r.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     r.add_argument("--algorithm", default="gspo", choices=["gspo", "grpo"], help="default gspo")
-    r.add_argument("--steps", type=int, default=5, help="RL steps (default 5)")
+    r.add_argument("--steps", type=int, default=10, help="RL steps (default 10)")
     r.add_argument("--prompts", type=int, default=4, help="random prompts per step (default 4)")
     r.add_argument("--prompt-len", type=int, default=8, help="tokens per prompt (default 8)")
     r.add_argument("--n", type=int, default=4, help="responses per prompt, >= 2 (default 4)")
