@@ -132,7 +132,9 @@ def test_a_failed_checkpoint_write_leaves_the_old_one_whole(tiny, tmp_path, one_
 def test_a_signal_stops_after_the_step_and_the_resumed_run_is_the_uninterrupted_one(
     tiny, tmp_path, monkeypatch, capsys, straight, sig
 ):
-    body = f"import os\ndef reward(p, r):\n    os.kill(os.getpid(), {int(sig)})\n    return toy_reward(p, r)\n"
+    body = "import os, pathlib\nMARK = pathlib.Path(__file__).with_name('signalled')\n"
+    body += "def reward(p, r):\n    if not MARK.exists():\n        MARK.write_text('')\n"
+    body += f"        os.kill(os.getpid(), {int(sig)})\n    return toy_reward(p, r)\n"  # once
     spec = _reward_module(tmp_path, monkeypatch, body)
     out = tmp_path / "run"
     assert main(_argv(tiny, out, "--steps", "3", "--reward", spec)) == 128 + sig
@@ -140,8 +142,6 @@ def test_a_signal_stops_after_the_step_and_the_resumed_run_is_the_uninterrupted_
     assert f"stopped by {sig.name} after step 0" in err and f"--resume {out}/checkpoint.pt" in err
     assert [r["step"] for r in _log(out)] == [0]
     assert checkpoint.load(out / rl.CHECKPOINT)["step"] == 1
-    (tmp_path / "state_rewards.py").write_text("from samebits.rl import toy_reward as reward\n")
-    monkeypatch.delitem(sys.modules, "state_rewards")
     resume = ["--steps", "2", "--reward", spec, "--resume", str(out / rl.CHECKPOINT)]
     assert main(_argv(tiny, out, *resume)) == 0
     rows, digests = straight
