@@ -38,7 +38,7 @@ def test_cli_default_run_is_bitwise_every_step_and_the_toy_reward_rises(tmp_path
     out = tmp_path / "run"
     assert main(["rl", "--out", str(out), "--no-live"]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in rows] == list(range(10))  # 10 steps: in 5 the rise depended on the CPU
     for r in rows:
         assert all(r[k] == 0 for k in BITWISE), r
         assert r["rollout_logprobs_tokens"] > 0 and r["old_logprobs_tokens"] > 0

@@ -16,7 +16,8 @@ import textwrap
 
 import pytest
 
-from samebits.rl.distributed import _digest_of, combine, passed
+from samebits.rl.distributed import combine, passed
+from samebits.rl.distributed import digest_of as _digest_of
 
 TIMEOUT_S = 300  # a hung collective fails the test instead of hanging CI
 

@@ -39,16 +39,27 @@ def _rl(args) -> int:
 
     try:
         cfg = _rl_config(args)
-    except ValueError as e:  # the config names the field and the allowed values
+    except ValueError as e:  # the config or option names the field and the allowed values
         print(f"samebits rl: {e}", file=sys.stderr)
         return 2
     if args.distributed:
         return _rl_distributed(cfg, args)
-    try:
-        rows = rl.run(cfg, live=not args.no_live, resume=args.resume, checkpoint_every=args.checkpoint_every)
+    every = rl.CHECKPOINT_EVERY if args.checkpoint_every is None else args.checkpoint_every
+    try:  # rl.run checks every option and the resumed checkpoint before any work
+        rows = rl.run(
+            cfg,
+            live=not args.no_live,
+            resume=args.resume,
+            checkpoint_every=every,
+            overwrite=args.overwrite,
+            allow_changes=_allowed(args),
+        )
     except rl.RewardError as e:  # the step stopped before any update: nothing half-applied
-        print(f"samebits rl: {e}", file=sys.stderr)
+        print(f"samebits rl: {e}; {_resume_hint(cfg)}", file=sys.stderr)
         return 1
+    except rl.RunStopped as e:
+        print(f"samebits rl: {e}; {_resume_hint(cfg)}", file=sys.stderr)
+        return 128 + e.signum
     except ValueError as e:  # refused setup: a freeze or digest name that matches nothing, ...
         print(f"samebits rl: {e}", file=sys.stderr)
         return 2
@@ -64,17 +75,26 @@ def _rl(args) -> int:
     return 1
 
 
+def _allowed(args) -> tuple[str, ...]:
+    return tuple(f for f in args.allow_change.split(",") if f)
+
+
+def _resume_hint(cfg) -> str:
+    return f"resume with --resume {cfg.out_dir}/checkpoint.pt" if cfg.out_dir else "no --out: nothing was kept"
+
+
 def _rl_distributed(cfg, args) -> int:
     """`samebits rl --distributed` under torchrun: every rank runs this; rank 0 prints."""
     from samebits.rl import distributed, report
 
-    if args.resume or args.checkpoint_every:
+    if args.resume or args.checkpoint_every is not None or args.allow_change:
         print(
-            "samebits rl: --resume / --checkpoint-every are not supported with --distributed", file=sys.stderr
+            "samebits rl: --resume / --checkpoint-every / --allow-change are not supported with --distributed",
+            file=sys.stderr,
         )
         return 2
     try:
-        rows = distributed.run(cfg)
+        rows = distributed.run(cfg, overwrite=args.overwrite)
     except ValueError as e:  # the same refused setup on every rank
         print(f"samebits rl: {e}", file=sys.stderr)
         return 2
@@ -83,6 +103,7 @@ def _rl_distributed(cfg, args) -> int:
         title = f"samebits rl --distributed: {rows[0]['world_size']} ranks, totals over ranks"
         report.print_table(rows, title)
         print(f"metrics: {cfg.out_dir}/metrics.jsonl (per-rank counters and digests: rank_* fields)")
+        print("no checkpoint: not supported with --distributed yet")
         print(
             "PASS: 0/0 mismatches on every rank, every replica's digests equal the trainer's" if ok else "FAIL"
         )
@@ -130,13 +151,13 @@ def _add_rl(sub) -> None:
         description="Each step: rollout with the samebits engine, rewards, trainer recompute of the "
         "old log-probs (packed, under batch_invariant()), bitwise comparison, AdamW update(s), "
         "weight sync into the engine and a sha256 digest check. Exit 0 only when every step has 0 "
-        "mismatches and equal digests. With no arguments: 5 steps on the built-in tiny model, CPU.",
+        "mismatches and equal digests. With no arguments: 10 steps on the built-in tiny model, CPU.",
     )
     r.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in tiny model)")
     r.add_argument("--device", default="cpu", help="torch device for engine and trainer (default: cpu)")
     r.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     r.add_argument("--algorithm", default="gspo", choices=["gspo", "grpo"], help="default gspo")
-    r.add_argument("--steps", type=int, default=5, help="RL steps (default 5)")
+    r.add_argument("--steps", type=int, default=10, help="RL steps (default 10)")
     r.add_argument("--prompts", type=int, default=4, help="random prompts per step (default 4)")
     r.add_argument("--prompt-len", type=int, default=8, help="tokens per prompt (default 8)")
     r.add_argument("--n", type=int, default=4, help="responses per prompt, >= 2 (default 4)")
@@ -200,11 +221,29 @@ def _add_rl(sub) -> None:
     r.add_argument(
         "--out",
         default="runs/rl",
-        help="output dir for metrics.jsonl, metrics.png, checkpoint.pt (default runs/rl)",
+        help="output dir for metrics.jsonl, metrics.png, checkpoint.pt (default runs/rl); a dir that "
+        "already holds a run is refused unless --resume or --overwrite",
     )
-    r.add_argument("--resume", default=None, metavar="CKPT", help="resume from a checkpoint.pt")
     r.add_argument(
-        "--checkpoint-every", type=int, default=0, help="checkpoint every K steps too (0: at the end only)"
+        "--resume",
+        default=None,
+        metavar="CKPT",
+        help="resume from a checkpoint.pt (plain data only; a changed config is refused, see --allow-change)",
+    )
+    r.add_argument(
+        "--allow-change",
+        default="",
+        metavar="FIELDS",
+        help="comma-separated config fields (e.g. lr,seed) that --resume may change "
+        "(--steps and --out always may)",
+    )
+    r.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    r.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        help="checkpoint every K steps (default 10; 0: only at the end); also at the end, on SIGINT/SIGTERM "
+        "and after a failing reward",
     )
     r.add_argument("--no-live", action="store_true", help="no live table on stderr")
     r.add_argument(

@@ -37,7 +37,7 @@ class RLConfig:
     device: str = "cpu"
     dtype: str = "bfloat16"
     algorithm: str = "gspo"
-    steps: int = 5
+    steps: int = 10  # the toy reward rises within 10 steps; in 5 it depends on the CPU (docs/rl.md)
     num_prompts: int = 4
     prompt_len: int = 8
     n: int = 4

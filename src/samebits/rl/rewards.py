@@ -57,7 +57,9 @@ def load_reward(spec: str) -> RewardFn:
 
 
 def compute_rewards(name: str, fn: RewardFn, prompts, responses) -> list[float]:
-    """Call the reward and check it: one finite float per response, else RewardError naming it."""
+    """Call the reward on copies of the token lists (what it edits is not what the trainer
+    trains on) and check it: one finite float per response, else RewardError naming it."""
+    prompts, responses = [list(p) for p in prompts], [list(r) for r in responses]
     try:
         values = list(fn(prompts, responses))
     except Exception as e:
