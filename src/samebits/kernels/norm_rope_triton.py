@@ -11,8 +11,9 @@ transformers module under `batch_invariant()`:
 - Rotary: `q*cos` and `rotate_half(q)*sin` each rounded, then their sum rounded.
 The registry (`numerics.registry`) uses the norm kernels on CUDA inside
 `batch_invariant()` at power-of-two widths (measured bitwise equal to the
-transformers modules on the H200 at 2048 and 128) and both in the fast profile. The rotary kernel differs from transformers in a few elements on the
-H200 (cause not found yet), so the exact profile keeps the composite rotary.
+transformers modules on the H200 at 2048 and 128) and both in the fast profile.
+The rotary kernel differs from transformers in a few elements on the H200 (cause
+not found yet), so the exact profile keeps the composite rotary.
 """
 
 from __future__ import annotations
