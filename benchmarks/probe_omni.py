@@ -239,6 +239,9 @@ def main() -> None:
         help="decode in CUDA graphs (on CUDA; default) or eagerly",
     )
     p.add_argument("--dir", default="/tmp/samebits-probe-omni")
+    p.add_argument(
+        "--reuse", action="store_true", help="use the checkpoint already in --dir (written by an earlier run)"
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     from samebits import verify
@@ -249,10 +252,13 @@ def main() -> None:
 
         path, prompts = build_tiny_omni_checkpoint(Path(args.dir), seed=args.seed), tiny_prompts()
     else:
-        path, prompts = (
-            write_random_thinker(Path(args.dir), args.layers, args.seed, args.device),
-            real_prompts(args.seed),
+        reuse = args.reuse and (Path(args.dir) / "config.json").is_file()
+        path = (
+            Path(args.dir)
+            if reuse
+            else write_random_thinker(Path(args.dir), args.layers, args.seed, args.device)
         )
+        prompts = real_prompts(args.seed)
     print(f"checkpoint at {path} in {time.time() - t0:.0f} s", flush=True)
     t0 = time.time()
     results = run(path, prompts, args.device, args.tokens, args.seed, cuda_graphs=args.cuda_graphs)
