@@ -269,6 +269,7 @@ def test_negative_control_without_copies_the_edit_reaches_the_trainer(tiny, tmp_
         (["--out", "FILE"], "exists and is not a directory"),
         (["--steps", "0"], "steps must be an int >= 1, got 0"),
         (["--temperature", "nan"], "temperature must be a finite number > 0"),
+        (["--seed", str(2**31)], "seed must be an int in [0, 2**30)"),  # (seed << 32) would pass 2**63
     ],
 )
 def test_bad_rl_options_exit_2_with_one_line_before_any_work(

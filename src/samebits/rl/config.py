@@ -83,6 +83,8 @@ class RLConfig:
             _int_at_least(name, getattr(self, name), 1)
         _int_at_least("n", self.n, 2)  # a group of one has no spread to normalise by
         _int_at_least("seed", self.seed, 0)
+        if self.seed >= 2**30:  # rollout seeds are (seed << 32) + index, and must stay below 2**63
+            raise ValueError(f"seed must be an int in [0, 2**30), got {self.seed!r}")
         if self.mini_batches > self.num_prompts * self.n:
             raise ValueError(
                 f"mini_batches ({self.mini_batches}) must be <= num_prompts * n "
