@@ -130,9 +130,15 @@ def tiny_checkpoint_cache(seed: int = 0, dtype: torch.dtype = torch.bfloat16) ->
     root.mkdir(parents=True, exist_ok=True)
     if final.exists():  # damaged by hand: move it aside before rebuilding
         shutil.rmtree(final.rename(tempfile.mkdtemp(dir=root, prefix=".broken-")))
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".building-"))
+    return build_atomically(final, lambda tmp: build_tiny_checkpoint(tmp, seed=seed, dtype=dtype))
+
+
+def build_atomically(final: Path, build) -> Path:
+    """`build(tmp)` into a fresh sibling folder, then renamed to `final` in one step, so
+    readers never see a half-built cache entry; a concurrent builder's result wins."""
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".building-"))
     try:
-        build_tiny_checkpoint(tmp, seed=seed, dtype=dtype)
+        build(tmp)
         try:
             tmp.rename(final)
         except OSError:  # another process won the race

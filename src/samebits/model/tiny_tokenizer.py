@@ -9,7 +9,6 @@ multi-byte characters span several tokens (what incremental detokenization must 
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 
 SPECIALS = ("<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>")
@@ -62,21 +61,15 @@ def add_tiny_tokenizer(path: str | Path) -> Path:
 
 def tiny_checkpoint_with_tokenizer(seed: int = 0) -> Path:
     """The cached tiny checkpoint plus the tiny tokenizer, in a sibling cache folder, built once."""
-    from samebits.model.tiny import tiny_checkpoint_cache
+    from samebits.model.tiny import build_atomically, tiny_checkpoint_cache
 
     base = tiny_checkpoint_cache(seed=seed)
     final = base.parent / f"{base.name}-tokenizer"
     if (final / "tokenizer.json").is_file():
         return final
-    tmp = Path(tempfile.mkdtemp(dir=base.parent, prefix=".building-"))
-    try:
+
+    def build(tmp: Path) -> None:
         shutil.copytree(base, tmp, dirs_exist_ok=True)
         add_tiny_tokenizer(tmp)
-        try:
-            tmp.rename(final)
-        except OSError:  # another process won the race
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+
+    return build_atomically(final, build)
