@@ -7,6 +7,8 @@ import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from samebits import cli_checks
+
 
 def add_parser(sub) -> None:
     s = sub.add_parser(
@@ -17,13 +19,20 @@ def add_parser(sub) -> None:
         "(docs/serve.md). Logs one line when ready. With no --model: the built-in tiny model with a "
         "tiny byte-level tokenizer (CPU).",
     )
-    s.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in tiny model + tokenizer)")
+    s.add_argument(
+        "--model",
+        type=cli_checks.model,
+        default=None,
+        help="HF checkpoint dir (default: built-in tiny model + tokenizer)",
+    )
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     s.add_argument("--served-model-name", default=None, help="name in the API (default: the dir's, or 'tiny')")
-    s.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
+    s.add_argument("--device", type=cli_checks.device, default="cpu", help="cpu or cuda[:i] (default cpu)")
     s.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    s.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together (default 8)")
+    s.add_argument(
+        "--max-num-seqs", type=cli_checks.positive_int, default=8, help="sequences decoded together (default 8)"
+    )
     s.add_argument(
         "--max-model-len",
         type=int,
@@ -46,7 +55,7 @@ def run(args) -> int:
     from samebits.engine.async_engine import AsyncEngine
     from samebits.serve.app import build_app
 
-    model = Path(args.model) if args.model else _tiny_model()
+    model = args.model or _tiny_model()  # --model: a directory, or a cached hub id's snapshot
     try:
         llm = LLM(
             model,
