@@ -274,14 +274,20 @@ def test_covered_op_on_cuda_is_row_invariant(name):
         batch = fn(x)
         alone = _rows_alone(fn, x)
     assert all(torch.equal(a, batch[i]) for i, a in enumerate(alone))
+    if name == "conv2d":
+        # no control at this shape on CUDA: cuDNN gave the invariant path's bits, alone and batched
+        # (H200, 2026-12-03); the CPU test above holds conv2d's control
+        return
     differs = [not torch.equal(a, b) for a, b in zip(_rows_alone(fn, x), alone, strict=True)]
     assert not torch.equal(fn(x), batch) or any(differs)  # control: stock CUDA kernels give other bits
 
 
 @pytest.mark.gpu
 def test_cuda_thread_that_did_not_enter_gets_cublas():
-    a = torch.randn(8, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(0)).bfloat16()
-    b = torch.randn(2048, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).bfloat16()
+    # K = 4096, M = 256: cuBLAS and the invariant Triton GEMM give other bits here (at M = 8,
+    # K = 2048 they gave the same bits on the H200, so that shape could not tell them apart)
+    a = torch.randn(256, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(0)).bfloat16()
+    b = torch.randn(4096, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).bfloat16()
     seen = {}
     inside, done = threading.Event(), threading.Event()
 
