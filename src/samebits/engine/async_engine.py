@@ -42,6 +42,7 @@ class AsyncEngine:
     def __init__(self, llm):
         self.llm = llm
         self.core = llm.core
+        self.core.serving = True
         self._cv = threading.Condition()
         self._inbox: list[tuple] = []
         self._streams: dict[str, _Stream] = {}
@@ -189,6 +190,7 @@ class AsyncEngine:
     def _shutdown(self) -> None:
         with self.core.lock:
             self._fail_all(f"the engine stopped: {self.error!r}" if self.error else "the engine was closed")
+        self.core.serving = False
         with self._cv:
             self._closed = True
             for command in self._inbox:

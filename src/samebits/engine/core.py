@@ -99,6 +99,7 @@ def exclusive(method):
 
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
+        self.core.refuse_if_serving(method.__name__)
         with self.core.lock:
             self.core.check_idle(method.__name__)
             return method(self, *args, **kwargs)
@@ -118,6 +119,7 @@ class EngineCore:
         self._auto_ids = itertools.count()
         self._tokenizer = None
         self._tokenizer_loaded = False
+        self.serving = False  # an AsyncEngine's thread steps this core (set by AsyncEngine)
 
     @property
     def tokenizer(self):
@@ -141,6 +143,13 @@ class EngineCore:
         if params.stop and (not params.detokenize or self.tokenizer is None):
             why = "detokenize=False" if self.tokenizer is not None else f"{self.llm.path} has no tokenizer"
             raise ValueError(f"request {i}: stop strings need detokenized text, but {why}")
+
+    def refuse_if_serving(self, what: str) -> None:
+        """Refuse at once, before waiting on the lock, while an AsyncEngine has requests in
+        flight: its thread takes the lock step after step and would keep the caller waiting
+        for the whole batch. Plain `generate` calls from several threads still wait their turn."""
+        if self.serving:
+            self.check_idle(what)
 
     def check_idle(self, what: str) -> None:
         if self.has_unfinished():

@@ -159,6 +159,7 @@ class LLM:
         ValueError naming its index and field, and the engine stays usable.
         Calls from several threads run one after another (the engine lock).
         """
+        self.core.refuse_if_serving("generate")
         with self.core.lock:
             if self.asleep:
                 raise RuntimeError("generate: the engine is asleep (KV cache released); call wake_up() first")
