@@ -18,14 +18,28 @@ READY_TIMEOUT = 180
 
 class Server:
     def __init__(self, model: Path, *extra: str):
-        env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1] / "src"))
+        src = str(Path(__file__).parents[1] / "src")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
         cmd = [sys.executable, "-m", "samebits.cli", "serve", "--model", str(model), "--port", "0", *extra]
         self.proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stderr], daemon=True).start()
-        deadline = time.monotonic() + READY_TIMEOUT
+
+        def pump():
+            for x in self.proc.stderr:
+                lines.put(x)
+            lines.put(None)  # the server's stderr closed: it exited
+
+        threading.Thread(target=pump, daemon=True).start()
+        deadline, seen = time.monotonic() + READY_TIMEOUT, []
         while True:
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            try:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                self.proc.kill()
+                raise AssertionError(f"server not ready in {READY_TIMEOUT} s; its stderr:\n{''.join(seen)}") from None
+            if line is None:
+                raise AssertionError(f"server exited ({self.proc.wait()}) before ready; its stderr:\n{''.join(seen)}")
+            seen.append(line)
             if "ready on http://" in line:
                 self.url = line.split("ready on ")[1].split()[0]
                 break
