@@ -2,11 +2,12 @@
 
     python benchmarks/serve_http.py --layers 48 --requests 64 --tokens 256
 
-Writes a random Qwen3-30B-A3B-shaped checkpoint, loads the trainer's model once and runs
-the engine on its tensors (`LLM(weights=...)`, one copy on the device), then:
+Writes a random Qwen3-30B-A3B-shaped checkpoint (or takes --model), then, with one copy of
+the model on the device at a time:
   offline: `LLM.generate` of N requests (prompt 32 tokens, `--tokens` new, seeds 0..N-1);
-  http:    the same N requests as concurrent streaming /v1/completions over 127.0.0.1
-           (uvicorn in this process, the AsyncEngine's thread behind it);
+  http:    `samebits serve` started as a user starts it (its engine in a process of its
+           own), the same N requests as concurrent streaming /v1/completions over
+           127.0.0.1 from this process, timed from the first request to the last byte;
 and prints output tokens/s of both arms, whether every HTTP request equals its offline
 twin (tokens and float32 log-probs, bitwise), and mismatches against the trainer's packed
 recompute under `batch_invariant()`.
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
-import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -25,34 +28,33 @@ from pathlib import Path
 import torch
 
 
-def _serve(llm):
-    import uvicorn
-
-    from samebits.engine.async_engine import AsyncEngine
-    from samebits.serve.app import build_app
-
-    engine = AsyncEngine(llm)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(1024)
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, "bench"), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    return engine, server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+def _serve(path: Path, args):
+    """`samebits serve` on 127.0.0.1 as a user starts it; -> (process, url)."""
+    cmd = [sys.executable, "-m", "samebits.cli", "serve", "--model", str(path), "--port", "0"]
+    cmd += ["--device", args.device, "--max-num-seqs", str(args.requests)]
+    cmd += ["--max-model-len", str(32 + args.tokens + 16)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:  # the server logs one line when ready
+        if "ready on http://" in line:
+            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep its pipe drained
+            return proc, line.split("ready on ")[1].split()[0]
+    raise RuntimeError(f"samebits serve exited ({proc.wait()}) before it was ready")
 
 
 async def _stream_one(client, url: str, prompt: list[int], tokens: int, seed: int):
     body = {"prompt": prompt, "max_tokens": tokens, "seed": seed, "logprobs": 0, "stream": True}
-    body |= {"ignore_eos": True, "return_token_ids": True, "model": "bench"}
+    body |= {"ignore_eos": True, "return_token_ids": True}
     ids, lps = [], []
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"/v1/completions answered {r.status_code}: {(await r.aread())[:500]!r}")
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
                 choice = json.loads(line[6:])["choices"][0]
                 ids += choice["token_ids"]
                 lps += choice["logprobs"]["token_logprobs"]
+    if len(ids) != tokens:
+        raise RuntimeError(f"request {seed}: {len(ids)} of {tokens} tokens came back")
     return ids, lps
 
 
@@ -82,15 +84,8 @@ def main() -> None:
     path = Path(args.model or args.dir)
     if not args.model and not (args.reuse and (path / "config.json").is_file()):
         write_random_checkpoint(path, args.layers, 0)
-    model = trainer.load_hf_model(path, device=args.device, dtype=torch.bfloat16)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else lambda: None
-    llm = LLM(
-        path,
-        device=args.device,
-        weights=model.named_parameters(remove_duplicate=False),
-        max_num_seqs=args.requests,
-        max_model_len=32 + args.tokens + 16,
-    )
+    llm = LLM(path, device=args.device, max_num_seqs=args.requests, max_model_len=32 + args.tokens + 16)
     prompts = make_prompts([32] * args.requests, llm.config.vocab_size, seed=1)
     params = [SamplingParams(max_tokens=args.tokens, ignore_eos=True, seed=i) for i in range(args.requests)]
     llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm up kernels and graphs
@@ -99,21 +94,28 @@ def main() -> None:
     offline = llm.generate(prompts, params)
     sync()
     t_offline = time.perf_counter() - t0
+    del llm  # one copy of the model on the device at a time
+    gc.collect()
+    torch.cuda.empty_cache() if args.device.startswith("cuda") else None
 
-    engine, server, thread, url = _serve(llm)
-    asyncio.run(_http(url, prompts, 4))  # warm up the HTTP path
-    t0 = time.perf_counter()
-    http = asyncio.run(_http(url, prompts, args.tokens))
-    t_http = time.perf_counter() - t0
-    server.should_exit = True
-    thread.join(timeout=60)
-    engine.close()
+    proc, url = _serve(path, args)
+    try:
+        asyncio.run(_http(url, prompts, 4))  # warm up the HTTP path
+        t0 = time.perf_counter()
+        http = asyncio.run(_http(url, prompts, args.tokens))
+        t_http = time.perf_counter() - t0
+        steps = _metric(url, "samebits_engine_steps_total")
+        step_s = _metric(url, "samebits_engine_step_seconds_total")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
     same = sum(
         ids == o.token_ids and torch.equal(torch.tensor(lps, dtype=torch.float32), o.logprobs)
         for (ids, lps), o in zip(http, offline, strict=True)
     )
     seqs = [pr + o.token_ids for pr, o in zip(prompts, offline, strict=True)]
+    model = trainer.load_hf_model(path, device=args.device, dtype=torch.bfloat16)
     bad = total = 0
     for start in range(0, len(seqs), 8):  # packed recompute, 8 sequences at a time
         with batch_invariant():
@@ -124,14 +126,25 @@ def main() -> None:
             bad += int((o.logprobs != lp.cpu()).sum())
             total += lp.numel()
     n_tok = args.requests * args.tokens
-    print(f"{args.layers} layers, {args.requests} requests x {args.tokens} tokens")
+    print(f"{path}: {args.requests} requests x {args.tokens} tokens")
     print(f"offline LLM.generate : {n_tok / t_offline:10.1f} output tok/s ({t_offline:.2f} s)")
     print(
         f"HTTP (streaming)     : {n_tok / t_http:10.1f} output tok/s ({t_http:.2f} s), "
         f"{t_http / t_offline:.3f}x the offline time"
     )
+    per_step = 1000 * step_s / max(steps, 1)
+    print(f"server engine        : {steps:.0f} steps, {per_step:.2f} ms each (warm-up included)")
     print(f"HTTP == offline      : {same}/{args.requests} requests bitwise")
     print(f"trainer mismatches   : {bad}/{total} tokens")
+
+
+def _metric(url: str, name: str) -> float:
+    import httpx
+
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise RuntimeError(f"/metrics has no {name}")
 
 
 if __name__ == "__main__":

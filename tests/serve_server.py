@@ -54,13 +54,22 @@ class Server:
             self.proc.wait(timeout=30)
 
     def rss_kib(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-        raise AssertionError("no VmRSS")
+        """Resident memory of the server and its engine process (its children), KiB."""
+        pids = [self.proc.pid]
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        pids += [int(p) for p in children.read_text().split()] if children.exists() else []
+        assert len(pids) >= 2, "the server has no engine process"
+        return sum(_rss_kib(pid) for pid in pids)
 
     def metric(self, name: str) -> float:
         for line in httpx.get(f"{self.url}/metrics").text.splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[1])
         raise AssertionError(f"no metric {name}")
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")

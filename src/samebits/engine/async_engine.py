@@ -117,6 +117,20 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    @property
+    def tokenizer(self):
+        return self.core.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm.engine.max_model_len
+
+    def metrics(self) -> dict:
+        """The engine's counters now (the names `serve.metrics` exports)."""
+        from samebits.engine.engine_child import stats
+
+        return stats(self.llm) | {"requests_in_flight": self.num_in_flight()}
+
     def _submit(self, command: tuple) -> None:
         with self._cv:
             if self._closed or self.error is not None:

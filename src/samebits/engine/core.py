@@ -22,6 +22,7 @@ import torch
 
 from samebits.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
 from samebits.engine.sequence import Sequence as Seq
+from samebits.engine.validation import check_text
 from samebits.requests.sampling_params import SamplingParams, sample_seed
 
 
@@ -140,9 +141,7 @@ class EngineCore:
 
     def check_text(self, i: int, params: SamplingParams) -> None:
         """ValueError when a request asks for text features the checkpoint cannot give."""
-        if params.stop and (not params.detokenize or self.tokenizer is None):
-            why = "detokenize=False" if self.tokenizer is not None else f"{self.llm.path} has no tokenizer"
-            raise ValueError(f"request {i}: stop strings need detokenized text, but {why}")
+        check_text(i, params, self.tokenizer, self.llm.path)
 
     def refuse_if_serving(self, what: str) -> None:
         """Refuse at once, before waiting on the lock, while an AsyncEngine has requests in
@@ -255,6 +254,20 @@ class EngineCore:
 
     def is_finished(self, request_id: str) -> bool:
         return all(s.is_finished for s in self._requests[request_id].seqs)
+
+    def progress(self, request_id: str, sent: list[int]) -> tuple[list[tuple], int]:
+        """What each sample gained since its first `sent[j]` tokens, as plain Python values
+        (for another process): -> ([(new ids, new log-probs, new top-k lists or None, text,
+        finish reason)], sample 0's preemptions). Advances `sent` to the current counts."""
+        req = self._requests[request_id]
+        parts = []
+        for j, seq in enumerate(req.seqs):
+            k, out = sent[j], seq.output_token_ids
+            tops = req.tops[j][k:] if req.params.logprobs else None
+            text = req.detoks[j].text if req.detoks[j] is not None else ""
+            parts.append((list(out[k:]), list(seq.logprobs[k:]), tops, text, seq.finish_reason))
+            sent[j] = len(out)
+        return parts, req.seqs[0].num_preemptions
 
     def output(self, request_id: str) -> RequestOutput:
         """A snapshot of the request so far (cumulative tokens, log-probs and text)."""

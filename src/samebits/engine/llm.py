@@ -20,11 +20,12 @@ from samebits.engine.runner import ModelRunner
 from samebits.engine.sampler import SampleRequest
 from samebits.engine.scheduler import Scheduler
 from samebits.engine.sequence import Sequence as Seq
+from samebits.engine.validation import check_request, no_tokenizer
 from samebits.model.checkpoint_checks import refuse_non_finite
 from samebits.model.families import family_for
 from samebits.model.hub import resolve_model_path
 from samebits.numerics.profile import PROFILES
-from samebits.requests import SamplingParams, as_multimodal
+from samebits.requests import SamplingParams
 
 NUMERICS = tuple(PROFILES)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -196,38 +197,7 @@ class LLM:
         return params
 
     def _validate(self, i: int, prompt, sp: SamplingParams) -> list[int]:
-        problem = sp.problem()
-        if problem:
-            raise ValueError(f"request {i}: {problem}")
-        try:
-            mm = as_multimodal(prompt)
-        except ValueError as e:
-            raise ValueError(f"request {i}: {e}") from e
-        prompt = prompt if mm is None else mm.prompt_token_ids
-        ids = self._tokenize(i, prompt) if isinstance(prompt, str) else prompt
-        if isinstance(ids, bytes | bytearray) or not isinstance(ids, Sequence) or not all(map(_is_int, ids)):
-            raise ValueError(f"request {i}: prompt must be a list of int token ids or a str")
-        ids = [int(t) for t in ids]
-        if not ids:
-            raise ValueError(f"request {i}: prompt is empty")
-        limit = self.engine.max_model_len
-        if len(ids) + sp.max_tokens > limit:
-            raise ValueError(
-                f"request {i}: prompt length {len(ids)} + max_tokens {sp.max_tokens} exceeds "
-                f"max_model_len {limit}"
-            )
-        vocab = self.config.vocab_size
-        for t in sp.stop_token_ids or ():
-            if not 0 <= t < vocab:
-                raise ValueError(
-                    f"request {i}: stop_token_ids entry {t} is outside the vocabulary [0, {vocab})"
-                )
-        for pos, t in enumerate(ids):
-            if not 0 <= t < vocab:
-                raise ValueError(
-                    f"request {i}: prompt token id {t} at position {pos} is outside the vocabulary [0, {vocab})"
-                )
-        return ids
+        return check_request(i, prompt, sp, self.engine.max_model_len, self.config.vocab_size, self._tokenize)
 
     def _tokenize(self, i: int, text: str) -> list[int]:
         if self._tokenizer is None:
@@ -239,9 +209,7 @@ class LLM:
 
                 self._tokenizer = AutoTokenizer.from_pretrained(self.path)
             except Exception as e:  # noqa: BLE001 - any failure means: no usable tokenizer
-                raise ValueError(
-                    f"request {i}: prompt is a str but {self.path} has no usable tokenizer; pass token ids"
-                ) from e
+                raise no_tokenizer(i, self.path) from e
         return self._tokenizer(text)["input_ids"]
 
     def _prepare_states(self, prompts, token_lists) -> list:
@@ -398,10 +366,6 @@ def _check_device(device: str) -> None:
     major, _ = torch.cuda.get_device_capability(dev)
     if major < 8:
         raise ValueError(f"device {device!r} is sm_{major}x; samebits' Triton kernels need sm_80 or newer")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class _Progress:

@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from samebits.engine.async_engine import AsyncEngine, EngineDeadError
+from samebits.engine.engine_process import EngineProcess
 from samebits.serve import formats, handlers
 from samebits.serve.errors import ApiError, error_response, param_of
 from samebits.serve.metrics import make_registry, render
@@ -26,10 +27,10 @@ from samebits.serve.streams import ClientGone, finals, merged, unless_disconnect
 class Service:
     """What every endpoint shares: the engine, the model's name, token texts."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: AsyncEngine | EngineProcess, model_name: str):
         self.engine = engine
         self.model_name = model_name
-        self.tok = formats.TokenText(engine.core.tokenizer)
+        self.tok = formats.TokenText(engine.tokenizer)
         self.ids_tok = formats.TokenText(None)  # "token_id:<id>" (return_tokens_as_token_ids)
         self.created = int(time.time())
 
@@ -69,11 +70,11 @@ class Service:
         return JSONResponse(whole(outs))
 
 
-def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+def build_app(engine: AsyncEngine | EngineProcess, model_name: str) -> FastAPI:
     """The HTTP face of `engine`, serving `model_name`."""
     app = FastAPI(title="samebits")
     svc = Service(engine, model_name)
-    registry = make_registry(engine.llm, engine)
+    registry = make_registry(engine)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(_, exc: RequestValidationError):
@@ -94,7 +95,7 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         card = {"id": model_name, "object": "model", "created": svc.created, "owned_by": "samebits"}
-        return {"object": "list", "data": [card | {"max_model_len": engine.llm.engine.max_model_len}]}
+        return {"object": "list", "data": [card | {"max_model_len": engine.max_model_len}]}
 
     @app.get("/metrics")
     async def metrics():

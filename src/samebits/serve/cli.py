@@ -14,7 +14,7 @@ def add_parser(sub) -> None:
     s = sub.add_parser(
         "serve",
         help="serve a checkpoint over HTTP: OpenAI /v1/completions and /v1/chat/completions, SGLang /generate",
-        description="Runs the engine in a background thread behind FastAPI + uvicorn. Endpoints: /health, "
+        description="Runs the engine in a process of its own behind FastAPI + uvicorn. Endpoints: /health, "
         "/v1/models, /v1/completions, /v1/chat/completions, /generate, /abort_request, /metrics "
         "(docs/serve.md). Logs one line when ready. With no --model: the built-in tiny model with a "
         "tiny byte-level tokenizer (CPU).",
@@ -51,29 +51,29 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import uvicorn
 
-    from samebits import LLM
-    from samebits.engine.async_engine import AsyncEngine
+    from samebits.engine.engine_process import EngineProcess
     from samebits.serve.app import build_app
 
     model = args.model or _tiny_model()  # --model: a directory, or a cached hub id's snapshot
     try:
-        llm = LLM(
-            model,
-            device=args.device,
-            dtype=args.dtype,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len or _default_len(model),
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            numerics=args.numerics,
-            cuda_graphs=not args.no_cuda_graphs,
+        engine = EngineProcess(
+            dict(
+                model=model,
+                device=args.device,
+                dtype=args.dtype,
+                max_num_seqs=args.max_num_seqs,
+                max_model_len=args.max_model_len or _default_len(model),
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                block_size=args.block_size,
+                num_blocks=args.num_blocks,
+                numerics=args.numerics,
+                cuda_graphs=not args.no_cuda_graphs,
+            )
         )
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, RuntimeError) as e:
         print(f"samebits serve: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or (model.name if args.model else "tiny")
-    engine = AsyncEngine(llm)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

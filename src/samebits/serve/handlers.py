@@ -89,7 +89,7 @@ async def completions(svc, body: CompletionRequest, request: Request):
 async def chat(svc, body: ChatCompletionRequest, request: Request):
     svc.check_model(body.model)
     try:
-        prompt = chat_prompt_ids(svc.engine.core.tokenizer, [m.as_template_input() for m in body.messages])
+        prompt = chat_prompt_ids(svc.engine.tokenizer, [m.as_template_input() for m in body.messages])
         k = body.logprobs_k()
     except ValueError as e:
         raise ApiError(400, str(e), param_of(str(e), "messages")) from e

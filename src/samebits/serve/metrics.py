@@ -5,28 +5,36 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+GAUGES = {
+    "num_requests_running": "sequences holding KV blocks",
+    "num_requests_waiting": "sequences queued or preempted",
+    "requests_in_flight": "requests with a client waiting",
+    "kv_blocks_used": "KV blocks in use",
+    "kv_blocks_total": "KV blocks in the cache",
+    "last_step_seconds": "duration of the last engine step",
+}
+COUNTERS = {
+    "generation_tokens": "tokens sampled",
+    "aborted_requests": "requests aborted unfinished",
+    "num_preemptions": "sequences preempted",
+    "engine_steps": "engine steps",
+    "engine_step_seconds": "seconds spent in engine steps",
+}
+
 
 class EngineCollector:
-    """Requests running/waiting, KV blocks, tokens generated, preemptions, step time."""
+    """Requests running/waiting, KV blocks, tokens generated, preemptions, step time, from
+    `engine.metrics()` (an AsyncEngine's now, an EngineProcess's as of its last step)."""
 
-    def __init__(self, llm, engine):
-        self.llm = llm
+    def __init__(self, engine):
         self.engine = engine
 
     def collect(self):
-        sched, blocks, stats = self.llm.scheduler, self.llm.block_manager, self.llm.core.stats
-        yield _gauge("samebits_num_requests_running", "sequences holding KV blocks", len(sched.running))
-        yield _gauge("samebits_num_requests_waiting", "sequences queued or preempted", len(sched.waiting))
-        streaming = self.engine.num_in_flight()
-        yield _gauge("samebits_requests_in_flight", "requests with a client waiting", streaming)
-        yield _gauge("samebits_kv_blocks_used", "KV blocks in use", blocks.num_blocks - blocks.num_free_blocks)
-        yield _gauge("samebits_kv_blocks_total", "KV blocks in the cache", blocks.num_blocks)
-        yield _counter("samebits_generation_tokens", "tokens sampled", stats.generated_tokens)
-        yield _counter("samebits_aborted_requests", "requests aborted unfinished", stats.aborted_requests)
-        yield _counter("samebits_num_preemptions", "sequences preempted", sched.num_preemptions)
-        yield _counter("samebits_engine_steps", "engine steps", stats.steps)
-        yield _counter("samebits_engine_step_seconds", "seconds spent in engine steps", stats.step_seconds)
-        yield _gauge("samebits_last_step_seconds", "duration of the last engine step", stats.last_step_seconds)
+        values = self.engine.metrics()
+        for name, doc in GAUGES.items():
+            yield _gauge(f"samebits_{name}", doc, values[name])
+        for name, doc in COUNTERS.items():
+            yield _counter(f"samebits_{name}", doc, values[name])
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -37,9 +45,9 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
 
 
-def make_registry(llm, engine) -> CollectorRegistry:
+def make_registry(engine) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(llm, engine))
+    registry.register(EngineCollector(engine))
     return registry
 
 
