@@ -3,7 +3,7 @@
     python benchmarks/rl_step.py --layers 48 --dir /dev/shm/q48 --freeze experts --out rl_step.json   # CUDA
     python benchmarks/rl_step.py --steps 3                                       # tiny model, CPU
 
-Arms (`samebits.bench_rl`; each a fresh `RLLoop` on the same checkpoint, prompts, seeds, settings):
+Arms (`samebits.rl.arms`; each a fresh `RLLoop` on the same checkpoint, prompts, seeds, settings):
 - `on-policy`: the engine's exact profile; the trainer's transformers model with samebits
   experts and attention; recompute and update forwards under `batch_invariant()`.
 - `shared`: the on-policy arm with the engine on the trainer's own tensors (no sync copy).
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from samebits.bench_rl import ARMS, print_summary, run_arms
+from samebits.rl.arms import ARMS, print_summary, run_arms
 
 
 def main() -> None:

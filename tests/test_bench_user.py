@@ -11,7 +11,9 @@ import json
 import pytest
 from rich.console import Console
 
-from samebits import bench, bench_generate, bench_report
+from samebits import bench
+from samebits.bench import generate as bench_generate
+from samebits.bench import report as bench_report
 from samebits.engine.llm import LLM
 
 
@@ -164,3 +166,44 @@ def test_bench_cli_refuses_bad_user_flags(argv, field, tmp_path, capsys):
         main(["bench", "--dir", str(tmp_path / "ckpt"), *argv])
     assert exit_.value.code == 2
     assert field in capsys.readouterr().err
+
+
+def test_rl_step_ratio_of_the_on_policy_and_stock_loops(tiny):
+    from samebits.rl import arms as bench_rl
+
+    r = bench_rl.bench_ratio(tiny, 2, device="cpu", spawn=False, num_prompts=2, n=2, max_tokens=4)
+    assert r["shape"] == "2 x 2 (8 -> 4)" and r["steps"] == 2
+    assert min(r["on_policy_s"], r["stock_s"]) > 0
+    assert r["ratio"] == r["on_policy_s"] / r["stock_s"]
+
+
+def test_rl_arms_refuse_an_unknown_arm(tiny):
+    from samebits.rl import RLConfig
+    from samebits.rl import arms as bench_rl
+
+    with pytest.raises(ValueError, match="unknown \\['stok'\\]"):
+        bench_rl.run_arms(RLConfig(model=str(tiny)), ("on-policy", "stok"), spawn=False)
+
+
+@pytest.mark.gpu
+def test_bench_cli_on_cuda_writes_every_measure(tiny, tmp_path, capsys):
+    # the whole CUDA path at tiny sizes: engine steps with graph replays, generate, rollout, RL
+    from samebits.cli import main
+
+    out = tmp_path / "out"
+    argv = ["bench", "--model", str(tiny), "--batches", "1,2", "--context", "16", "--arms", "exact,fast"]
+    argv += ["--steps", "2", "--generate-steps", "2", "--num-prompts", "3", "--input-len", "8"]
+    argv += ["--output-len", "4", "--rl", "--rl-steps", "2", "--out", str(out)]
+    assert main(argv) == 0
+    data = json.loads((out / "bench.json").read_text())
+    assert [(r["arm"], r["batch"]) for r in data["decode"]] == [
+        ("exact", 1),
+        ("exact", 2),
+        ("fast", 1),
+        ("fast", 2),
+    ]
+    for r in data["decode"]:
+        assert min(r["step_ms"], r["generate_ms"], r["replay_ms"], r["prefill_tok_s"]) > 0
+    assert {a: r["requests"] for a, r in data["rollout"].items()} == {"exact": 3, "fast": 3}
+    assert data["rl_step"]["shape"] == "8 x 4 (8 -> 128)" and data["rl_step"]["ratio"] > 0
+    assert "rollout through generate" in capsys.readouterr().out

@@ -304,7 +304,7 @@ def _bench(args) -> int:
 
     import torch
 
-    from samebits import bench, bench_report
+    from samebits import bench
 
     arms = tuple(a for a in args.arms.split(",") if a)
     unknown = sorted(set(arms) - set(bench.ARMS))
@@ -327,11 +327,15 @@ def _bench(args) -> int:
         steps=args.steps,
         generate_steps=args.generate_steps,
         rollout=rollout,
-        rl_steps=args.rl_steps if args.rl else 0,
     )
+    if args.rl:  # after the engine and models above are freed: the arms load their own
+        from samebits.rl import arms as rl_arms
+
+        result.rl_step = rl_arms.bench_ratio(model, args.rl_steps)
+        print(f"RL step: on-policy {result.rl_step['ratio']:.2f}x stock")
     result.meta["layers"] = args.layers if args.model is None else None
-    bench_report.print_table(result)
-    written = bench_report.write_outputs(result, Path(args.out))
+    bench.print_table(result)
+    written = bench.write_outputs(result, Path(args.out))
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
 

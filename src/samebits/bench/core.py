@@ -3,7 +3,7 @@ does, and the stock baselines (transformers `generate`, the trainer, the RL step
 model, in one run.
 
 Per engine arm and batch B (each of B sequences at `context` tokens):
-- through `LLM.generate` (`bench_generate`): decode ms per extra output token and
+- through `LLM.generate` (`bench.generate`): decode ms per extra output token and
   prefill tok/s, everything the user waits for (scheduler, host loop, sampling);
 - the engine step (`ModelRunner.run`: batch assembly, the forward, CUDA-graph replay,
   sampling, the host sync) and the graph replay alone, the GPU's share;
@@ -11,8 +11,8 @@ Per engine arm and batch B (each of B sequences at `context` tokens):
   bandwidth measured in the same run.
 Per engine arm, a rollout of R prompts x (P -> G tokens) through `generate`, as output tok/s.
 transformers `generate` is timed as (t(1 + n new tokens) - t(1 new token)) / n, which
-removes its prefill. With `rl_steps`, the RL step of the on-policy loop over the stock loop
-(`bench_rl`). Results: `bench_report`.
+removes its prefill. The RL step ratio (`samebits.rl.arms`) is measured by the CLI and
+joins the result there. Results: `bench.report`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from samebits.bench_generate import generate_max_len, measure_generate, measure_rollout, sync
-from samebits.bench_report import EXACT_TRAINER, STOCK_TRAINER, BenchResult, Row
+from samebits.bench.generate import generate_max_len, measure_generate, measure_rollout, sync
+from samebits.bench.report import EXACT_TRAINER, STOCK_TRAINER, BenchResult, Row
 from samebits.engine.sampler import SampleRequest
 from samebits.engine.scheduler import ScheduledBatch, ScheduledChunk
 from samebits.engine.sequence import Sequence
@@ -274,12 +274,11 @@ def run(
     steps: int = 20,
     generate_steps: int = 64,
     rollout: tuple[int, int, int] | None = (256, 1024, 1024),
-    rl_steps: int = 0,
     log=print,
 ) -> BenchResult:
     """Run the chosen arms on CUDA. `generate_steps`: decode steps timed through `generate`
-    per point (0: none, nor prefill); `rollout`: (requests, prompt tokens, new tokens) or None;
-    `rl_steps`: RL steps per loop for the on-policy/stock ratio (0: none)."""
+    per point (0: none, nor prefill); `rollout`: (requests, prompt tokens, new tokens), run on
+    each engine arm, or None."""
     from samebits.engine.llm import LLM
 
     if not torch.cuda.is_available():
@@ -307,9 +306,4 @@ def run(
         result.rows += _hf_rows(model, hf_batches or batches, context, bw, cfg, log)
     if "trainer" in arms:
         result.trainer_ms = _trainer_ms(model, log)
-    if rl_steps:
-        from samebits import bench_rl
-
-        result.rl_step = bench_rl.bench_ratio(model, rl_steps)
-        log(f"RL step: {result.rl_step['ratio']:.2f}x stock")
     return result

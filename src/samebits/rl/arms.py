@@ -1,7 +1,7 @@
 """What exactness costs the RL loop: `RLLoop` steps of the on-policy arm vs the stock arm.
 
 Used by `benchmarks/rl_step.py` (every phase, every arm) and by `samebits bench --rl`
-(the step ratio in the bench table). Arms, each a fresh `RLLoop` on the same checkpoint,
+(`bench_ratio`: the step ratio in the bench table). Arms, each a fresh `RLLoop` on the same checkpoint,
 prompts, seeds and settings:
 - `on-policy`: the engine's exact profile; the trainer's transformers model with samebits
   experts and attention; recompute and update forwards under `batch_invariant()`.

@@ -47,7 +47,7 @@ class Row:
 @dataclass
 class BenchResult:
     """Everything one `samebits bench` run measured. `rollout`: per arm, `RolloutTimes` as a
-    dict plus its output tok/s; `rl_step`: `bench_rl.step_ratio` (None without --rl)."""
+    dict plus its output tok/s; `rl_step`: `samebits.rl.arms.bench_ratio` (None without --rl)."""
 
     rows: list[Row] = field(default_factory=list)
     trainer_ms: dict[str, float] = field(default_factory=dict)
