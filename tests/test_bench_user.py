@@ -157,7 +157,12 @@ def test_exact_over_fast_inverts_rates():
 
 @pytest.mark.parametrize(
     "argv,field",
-    [(["--generate-steps", "-1"], "--generate-steps"), (["--input-len", "0"], "--input-len")],
+    [
+        (["--generate-steps", "-1"], "--generate-steps"),
+        (["--input-len", "0"], "--input-len"),
+        (["--num-prompts", "x"], "--num-prompts"),
+        (["--arms", ""], "--arms"),  # nothing to run: empty arms only with --rl
+    ],
 )
 def test_bench_cli_refuses_bad_user_flags(argv, field, tmp_path, capsys):
     from samebits.cli import main

@@ -308,7 +308,7 @@ def _bench(args) -> int:
 
     arms = tuple(a for a in args.arms.split(",") if a)
     unknown = sorted(set(arms) - set(bench.ARMS))
-    if unknown or not arms:
+    if unknown or not (arms or args.rl):  # --arms '' --rl: the RL step alone
         refuse("samebits bench", f"--arms takes any of {','.join(bench.ARMS)}, got {args.arms!r}")
     batches, hf_batches = args.batches, args.hf_batches
     if not torch.cuda.is_available():  # before the random checkpoint is written
@@ -388,9 +388,16 @@ def _add_bench(sub) -> None:
     b.add_argument(
         "--context", type=cli_checks.positive_int, default=1024, help="tokens of KV per sequence (default 1024)"
     )
-    b.add_argument("--arms", default="exact,fast,hf,trainer", help="any of exact,fast,hf,trainer")
     b.add_argument(
-        "--steps", type=cli_checks.positive_int, default=20, help="timed decode steps per point (default 20)"
+        "--arms",
+        default="exact,fast,hf,trainer",
+        help="any of exact,fast,hf,trainer (may be empty with --rl)",
+    )
+    b.add_argument(
+        "--steps",
+        type=cli_checks.positive_int,
+        default=20,
+        help="timed engine steps (runner, not generate) per point (default 20)",
     )
     _add_user_flags(b)
     b.add_argument(
@@ -412,7 +419,7 @@ def _add_user_flags(b) -> None:
         "--num-prompts",
         type=cli_checks.non_negative_int,
         default=256,
-        help="rollout requests (default 256; 0 skips the rollout)",
+        help="rollout requests, per engine arm (default 256; 0 skips the rollout)",
     )
     b.add_argument(
         "--input-len", type=cli_checks.positive_int, default=1024, help="rollout prompt tokens (default 1024)"
