@@ -106,12 +106,14 @@ def measure_generate(llm, batch: int, context: int, extra: int = 64, seed: int =
     graphs of every batch size the calls pass through; `extra` is the decode steps timed."""
     if extra < 1:
         raise ValueError(f"extra must be an int >= 1, got {extra!r}")
-    prompts = random_prompts(llm.config.vocab_size, batch, context, seed=batch)
     first = first_decode_tokens(batch, context, llm.engine.resolved_batched_tokens())
-    timed_generate(llm, prompts, first)  # warm-up
-    prefill_s = timed_generate(llm, prompts, 1)
-    first_s = timed_generate(llm, prompts, first)
-    last_s = timed_generate(llm, prompts, first + extra)
+
+    def call(i: int, max_tokens: int) -> float:  # fresh prompts each call: no cache could reuse a prefill
+        prompts = random_prompts(llm.config.vocab_size, batch, context, seed=seed + 1000 * batch + i)
+        return timed_generate(llm, prompts, max_tokens, seed=seed)
+
+    call(0, first)  # warm-up
+    prefill_s, first_s, last_s = call(1, 1), call(2, first), call(3, first + extra)
     return GenerateTimes(batch, context, prefill_s, first, first_s, first + extra, last_s)
 
 
