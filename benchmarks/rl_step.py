@@ -3,7 +3,7 @@
     python benchmarks/rl_step.py --layers 48 --dir /dev/shm/q48 --freeze experts --out rl_step.json   # CUDA
     python benchmarks/rl_step.py --steps 3                                       # tiny model, CPU
 
-Arms (each a fresh `RLLoop` on the same checkpoint, same prompts, seeds and settings):
+Arms (`samebits.rl.arms`; each a fresh `RLLoop` on the same checkpoint, prompts, seeds, settings):
 - `on-policy`: the engine's exact profile; the trainer's transformers model with samebits
   experts and attention; recompute and update forwards under `batch_invariant()`.
 - `shared`: the on-policy arm with the engine on the trainer's own tensors (no sync copy).
@@ -19,79 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
-import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-ARMS = {
-    "on-policy": {},
-    "shared": {"share_weights": True},  # on-policy, one copy of the model (--share-weights)
-    "stock": dict(
-        engine_numerics="fast",
-        trainer_experts="grouped_mm",
-        trainer_attention="sdpa",
-        recompute_kernels="stock",
-        update_kernels="stock",
-    ),
-}
-PHASES = ("rollout", "reward", "recompute", "update", "sync", "digest", "step")
-
-
-def run_arm(config) -> list[dict]:
-    from samebits.rl import RLLoop
-
-    t0 = time.perf_counter()
-    loop = RLLoop(config)
-    print(f"  loaded engine + trainer in {time.perf_counter() - t0:.0f} s", flush=True)
-    rows = []
-    for _ in range(config.steps):
-        rows.append(loop.step())
-        r = rows[-1]
-        print(
-            f"  step {r['step']}: rollout {_count([r], 'rollout')} old {_count([r], 'old')}"
-            f" digests {r['digests_checked'] - r['digest_mismatch_count']}/{r['digests_checked']}"
-            f" grad_norm {r['grad_norm']:.3g} reward {r['reward_mean']:.3f} step {r['time_step_s']:.2f} s",
-            flush=True,
-        )
-    return rows
-
-
-def medians(rows: list[dict]) -> dict[str, float]:
-    """Median seconds per phase over the steps after the first (all steps if there is one)."""
-    timed = rows[1:] or rows
-    return {p: statistics.median(r[f"time_{p}_s"] for r in timed) for p in PHASES}
-
-
-def _count(rows: list[dict], kind: str) -> str:
-    """'mismatches/tokens' of the rollout or old-log-prob comparison, summed over rows."""
-    return "/".join(str(sum(r[f"{kind}_logprobs_{k}"] for r in rows)) for k in ("mismatch_count", "tokens"))
-
-
-def print_summary(results: dict[str, list[dict]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="RL step: median seconds per phase (steps after the first)")
-    table.add_column("arm")
-    for p in PHASES:
-        table.add_column(p, justify="right")
-    table.add_column("mismatches rollout / old", justify="right")
-    base = medians(results["stock"])["step"] if "stock" in results else None
-    for arm, rows in results.items():
-        med = medians(rows)
-        step = f"{med['step']:.3f}" + (f" ({med['step'] / base:.2f}x)" if base else "")
-        table.add_row(
-            arm,
-            *[f"{med[p]:.3f}" for p in PHASES[:-1]],
-            step,
-            f"{_count(rows, 'rollout')} / {_count(rows, 'old')}",
-        )
-    Console(width=160).print(table)
+from samebits.rl.arms import ARMS, print_summary, run_arms
 
 
 def main() -> None:
@@ -141,11 +74,7 @@ def main() -> None:
         freeze=tuple(f for f in args.freeze.split(",") if f),
         digest_tensors=tuple(args.digest.split(",")) if args.digest else None,
     )
-    results = {}
-    for arm in arms:  # each arm in a fresh process: both start cold, and all its memory is freed after
-        print(f"arm {arm}:", flush=True)
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            results[arm] = pool.submit(run_arm, replace(config, **ARMS[arm])).result()
+    results = run_arms(config, arms)  # each arm in a fresh process: both start cold
     print_summary(results)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))

@@ -308,7 +308,7 @@ def _bench(args) -> int:
 
     arms = tuple(a for a in args.arms.split(",") if a)
     unknown = sorted(set(arms) - set(bench.ARMS))
-    if unknown or not arms:
+    if unknown or not (arms or args.rl):  # --arms '' --rl: the RL step alone
         refuse("samebits bench", f"--arms takes any of {','.join(bench.ARMS)}, got {args.arms!r}")
     batches, hf_batches = args.batches, args.hf_batches
     if not torch.cuda.is_available():  # before the random checkpoint is written
@@ -317,31 +317,43 @@ def _bench(args) -> int:
     if model is None:
         print(f"writing a random Qwen3-30B-A3B-shaped checkpoint, {args.layers} layers, to {args.dir}")
         model = bench.write_random_checkpoint(Path(args.dir), args.layers, seed=0)
-    rows, trainer_rows, meta = bench.run(
+    rollout = (args.num_prompts, args.input_len, args.output_len) if args.num_prompts else None
+    result = bench.run(
         model,
         batches=batches,
         context=args.context,
         arms=arms,
         hf_batches=hf_batches,
         steps=args.steps,
+        generate_steps=args.generate_steps,
+        rollout=rollout,
     )
-    meta["layers"] = args.layers if args.model is None else None
-    bench.print_table(rows, trainer_rows)
-    bench.write_outputs(rows, trainer_rows, Path(args.out), meta)
-    print(f"wrote {args.out}/bench.json and {args.out}/bench.png")
+    if args.rl:  # after the engine and models above are freed: the arms load their own
+        from samebits.rl import arms as rl_arms
+
+        result.rl_step = rl_arms.bench_ratio(model, args.rl_steps)
+        print(f"RL step: on-policy {result.rl_step['ratio']:.2f}x stock")
+    result.meta["layers"] = args.layers if args.model is None else None
+    bench.print_table(result)
+    written = bench.write_outputs(result, Path(args.out))
+    print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
 
 def _add_bench(sub) -> None:
     b = sub.add_parser(
         "bench",
-        help="decode speed: exact vs fast profile vs transformers generate; trainer fwd+bwd (CUDA)",
-        description="Times engine decode steps (batch assembly, forward, CUDA graphs, sampling) at "
-        "each batch size with --context tokens of KV per sequence, for the exact and fast "
-        "profiles and transformers generate, each against the memory floor (bytes a step reads "
-        "over the measured copy bandwidth); and the trainer's packed forward+backward of 4 x 1024 "
-        "tokens with samebits kernels vs stock transformers (experts frozen). Writes a table, "
-        "bench.json and bench.png.",
+        help="what users see: decode, prefill and a rollout through generate, exact vs fast; "
+        "vs transformers generate, the trainer and the RL step (CUDA)",
+        description="For the exact and fast profiles at each batch size B (B sequences of --context "
+        "tokens): decode ms per extra output token and prefill tok/s through LLM.generate, the "
+        "engine step (batch assembly, forward, CUDA graphs, sampling) and its CUDA-graph replay "
+        "alone, against the memory floor (bytes a step reads over the measured copy bandwidth); "
+        "and a rollout of --num-prompts x (--input-len -> --output-len) tokens through generate as "
+        "total output tok/s. Also transformers generate's decode step, the trainer's packed "
+        "forward+backward of 4 x 1024 tokens with samebits kernels vs stock transformers (experts "
+        "frozen), and with --rl the RL step of the on-policy loop vs the stock loop. Prints one "
+        "table; writes bench.json, bench.csv and bench.png.",
     )
     b.add_argument(
         "--model",
@@ -376,14 +388,60 @@ def _add_bench(sub) -> None:
     b.add_argument(
         "--context", type=cli_checks.positive_int, default=1024, help="tokens of KV per sequence (default 1024)"
     )
-    b.add_argument("--arms", default="exact,fast,hf,trainer", help="any of exact,fast,hf,trainer")
     b.add_argument(
-        "--steps", type=cli_checks.positive_int, default=20, help="timed decode steps per point (default 20)"
+        "--arms",
+        default="exact,fast,hf,trainer",
+        help="any of exact,fast,hf,trainer (may be empty with --rl)",
     )
+    b.add_argument(
+        "--steps",
+        type=cli_checks.positive_int,
+        default=20,
+        help="timed engine steps (runner, not generate) per point (default 20)",
+    )
+    _add_user_flags(b)
     b.add_argument(
         "--out", default="bench-out", type=cli_checks.writable_dir, help="output folder (default bench-out)"
     )
     b.set_defaults(fn=_bench)
+
+
+def _add_user_flags(b) -> None:
+    """`samebits bench`'s measurements through generate, and the RL step."""
+    b.add_argument(
+        "--generate-steps",
+        type=cli_checks.non_negative_int,
+        default=64,
+        help="decode steps timed through generate per point, after the prefill phase "
+        "(default 64; 0 skips decode and prefill through generate)",
+    )
+    b.add_argument(
+        "--num-prompts",
+        type=cli_checks.non_negative_int,
+        default=256,
+        help="rollout requests, per engine arm (default 256; 0 skips the rollout)",
+    )
+    b.add_argument(
+        "--input-len", type=cli_checks.positive_int, default=1024, help="rollout prompt tokens (default 1024)"
+    )
+    b.add_argument(
+        "--output-len",
+        type=cli_checks.positive_int,
+        default=1024,
+        help="rollout new tokens per request (default 1024)",
+    )
+    b.add_argument(
+        "--rl",
+        action="store_true",
+        help="also time RL steps of the on-policy loop vs the stock loop "
+        "(8 prompts x 4, 128 tokens, experts frozen; slow)",
+    )
+    b.add_argument(
+        "--rl-steps",
+        type=cli_checks.positive_int,
+        default=3,
+        help="RL steps per loop with --rl; the first is not timed (default 3)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An int >= 0 (0: the measurement it sizes is skipped)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
+    return value
+
+
 def seed(text: str) -> int:
     """An int in [0, 2**32): sampling seeds derived from it stay within [0, 2**63)."""
     try:

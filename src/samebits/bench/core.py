@@ -1,31 +1,36 @@
-"""`samebits bench`: decode speed of the exact and fast profiles and of transformers
-`generate`, and the trainer's packed forward+backward, on one model, in one run.
+"""`samebits bench`: what users see of the exact and fast profiles, beside what the GPU
+does, and the stock baselines (transformers `generate`, the trainer, the RL step), on one
+model, in one run.
 
-Decode arms time real engine steps (`ModelRunner.run`: batch assembly, the
-forward, CUDA-graph replay where it applies, sampling, the host sync) of B
-sequences that each hold `context` tokens of KV. transformers `generate` is
-timed as (t(1 + n new tokens) - t(1 new token)) / n, which removes its prefill.
-Each arm gets the fraction of the memory floor: the bytes a step must read
-(weights it touches + KV) over the copy bandwidth measured in the same run.
+Per engine arm and batch B (each of B sequences at `context` tokens):
+- through `LLM.generate` (`bench.generate`): decode ms per extra output token and
+  prefill tok/s, everything the user waits for (scheduler, host loop, sampling);
+- the engine step (`ModelRunner.run`: batch assembly, the forward, CUDA-graph replay,
+  sampling, the host sync) and the graph replay alone, the GPU's share;
+- the memory floor: the bytes a step must read (weights it touches + KV) over the copy
+  bandwidth measured in the same run.
+Per engine arm, a rollout of R prompts x (P -> G tokens) through `generate`, as output tok/s.
+transformers `generate` is timed as (t(1 + n new tokens) - t(1 new token)) / n, which
+removes its prefill. The RL step ratio (`samebits.rl.arms`) is measured by the CLI and
+joins the result there. Results: `bench.report`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from samebits.bench.generate import generate_max_len, measure_generate, measure_rollout, sync
+from samebits.bench.report import EXACT_TRAINER, STOCK_TRAINER, BenchResult, Row
 from samebits.engine.sampler import SampleRequest
 from samebits.engine.scheduler import ScheduledBatch, ScheduledChunk
 from samebits.engine.sequence import Sequence
 from samebits.model.config import ModelConfig
 from samebits.numerics.profile import PROFILES
-from samebits.plotting import pyplot
 from samebits.requests import SamplingParams
 
 ARMS = ("exact", "fast", "hf", "trainer")
@@ -46,20 +51,6 @@ QWEN3_30B_A3B = dict(
     tie_word_embeddings=False,
     eos_token_id=151645,
 )
-
-
-@dataclass
-class Row:
-    arm: str
-    batch: int
-    context: int
-    step_ms: float
-    tokens_per_s: float
-    floor_ms: float
-
-    @property
-    def floor_fraction(self) -> float:
-        return self.floor_ms / self.step_ms
 
 
 def write_random_checkpoint(path: Path, layers: int, seed: int, shard_bytes: int = 4 << 30) -> Path:
@@ -129,11 +120,11 @@ def engine_step_ms(llm, batch: int, context: int, steps: int = 20) -> float:
         with llm.runner.profile.context():  # as LLM.generate: installed once, not per step
             for _ in range(3):
                 llm.runner.run(batch_, reqs)
-            torch.cuda.synchronize()
+            sync(llm)
             t0 = time.perf_counter()
             for _ in range(steps):
                 llm.runner.run(batch_, reqs)
-            torch.cuda.synchronize()
+            sync(llm)
             step = 1000 * (time.perf_counter() - t0) / steps
             graphs = llm.runner.graphs
             size = graphs.size_for(batch_) if graphs is not None else None
@@ -141,7 +132,7 @@ def engine_step_ms(llm, batch: int, context: int, steps: int = 20) -> float:
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     graphs.graphs[size][0].replay()
-                torch.cuda.synchronize()
+                sync(llm)
                 replay_ms[(llm.runner.profile.name, batch)] = 1000 * (time.perf_counter() - t0) / steps
         return step
     finally:
@@ -195,58 +186,83 @@ def free_memory() -> None:
     torch.cuda.empty_cache()
 
 
-def print_table(rows: list[Row], trainer_rows: dict[str, float]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title="samebits bench: decode step")
-    for c in ("arm", "batch", "context", "ms/step", "tok/s", "floor ms", "of floor"):
-        t.add_column(c, justify="right")
-    for r in rows:
-        t.add_row(
-            r.arm,
-            str(r.batch),
-            str(r.context),
-            f"{r.step_ms:.2f}",
-            f"{r.tokens_per_s:,.0f}",
-            f"{r.floor_ms:.2f}",
-            f"{r.floor_fraction:.0%}",
+def measure_engine_arm(
+    llm, arm: str, batches, context: int, steps: int, generate_steps: int, bandwidth: float, log=print
+) -> list[Row]:
+    """The rows of one engine profile: per batch, the engine step and graph replay, and
+    (with `generate_steps` > 0) decode and prefill through `LLM.generate`."""
+    llm.set_numerics(arm)
+    rows = []
+    for b in batches:
+        ms = engine_step_ms(llm, b, context, steps)
+        row = Row(arm, b, context, ms, 1000 * b / ms, 1000 * step_bytes(llm.config, b, context) / bandwidth)
+        row.replay_ms = replay_ms.get((arm, b))
+        if generate_steps:
+            gen = measure_generate(llm, b, context, extra=generate_steps)
+            row.generate_ms, row.prefill_tok_s = gen.decode_ms, gen.prefill_tok_s
+        rows.append(row)
+        log(
+            f"{arm:>6} batch {b:>4}: generate {_ms(row.generate_ms)} ms/token, step {ms:.2f} ms, "
+            f"graph replay {_ms(row.replay_ms)} ms, prefill {row.prefill_tok_s or 0:,.0f} tok/s"
         )
-    console = Console()
-    console.print(t)
-    if trainer_rows:
-        tt = Table(title="trainer: packed forward+backward")
-        tt.add_column("arm")
-        tt.add_column("ms", justify="right")
-        for k, v in trainer_rows.items():
-            tt.add_row(k, f"{v:.1f}")
-        console.print(tt)
+    return rows
 
 
-def write_outputs(rows: list[Row], trainer_rows: dict[str, float], out: Path, meta: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    data = {
-        "meta": meta,
-        "decode": [asdict(r) | {"floor_fraction": r.floor_fraction} for r in rows],
-        "trainer_ms": trainer_rows,
-    }
-    (out / "bench.json").write_text(json.dumps(data, indent=2))
-    plt = pyplot(str(out / "bench.png"))
-    if plt is None:
-        return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for arm in dict.fromkeys(r.arm for r in rows):
-        pts = [r for r in rows if r.arm == arm]
-        ax.plot([r.batch for r in pts], [r.tokens_per_s for r in pts], marker="o", label=arm)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("batch (sequences)")
-    ax.set_ylabel("output tokens/s")
-    ax.set_title(f"decode at {rows[0].context if rows else 0} tokens of context")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "bench.png", dpi=120)
+def measure_rollout_arm(llm, arm: str, rollout: tuple[int, int, int], log=print) -> dict:
+    """One rollout of R prompts x (P -> G) tokens through `generate` on profile `arm`."""
+    llm.set_numerics(arm)
+    r = measure_rollout(llm, *rollout)
+    shape = f"{r.requests} x ({r.prompt_len} -> {r.new_tokens})"
+    log(f"{arm:>6} rollout {shape}: {r.output_tok_s:,.0f} output tok/s")
+    return {**r.__dict__, "output_tok_s": r.output_tok_s}
+
+
+def engine_limits(batches, context: int, generate_steps: int, rollout: tuple[int, int, int] | None) -> dict:
+    """max_num_seqs and max_model_len that every engine measurement fits in (no preemption)."""
+    seqs = max((*batches, rollout[0] if rollout else 1))
+    max_len = max(context + 16, rollout[1] + rollout[2] if rollout else 1)
+    if generate_steps:  # the engine's default token budget is max(max_model_len, 2048): at least this
+        max_len = max(max_len, generate_max_len(context, batches, generate_steps, max(max_len, 2048)))
+    return {"max_num_seqs": seqs, "max_model_len": max_len}
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _hf_rows(model, batches, context: int, bw: float, cfg: ModelConfig, log) -> list[Row]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, device_map="cuda").eval()
+    rows = []
+    for b in batches:
+        with torch.inference_mode():
+            ms = hf_generate_step_ms(hf, b, context)
+        floor = 1000 * step_bytes(cfg, b, context) / bw
+        rows.append(Row("transformers", b, context, ms, 1000 * b / ms, floor, generate_ms=ms))
+        log(f"transformers batch {b:>4}: {ms:.2f} ms/step")
+    del hf
+    free_memory()
+    return rows
+
+
+def _trainer_ms(model, log) -> dict[str, float]:
+    from samebits import trainer
+
+    out = {}
+    for name, impl, exact in (
+        (EXACT_TRAINER, {}, True),
+        (STOCK_TRAINER, {"experts_implementation": "grouped_mm", "attn_implementation": "sdpa"}, False),
+    ):
+        m = trainer.load_hf_model(model, device="cuda", **impl)
+        for n, p in m.named_parameters():  # experts frozen: their grads alone would not fit beside them
+            p.requires_grad_("mlp.experts" not in n)
+        m.train()
+        out[name] = trainer_step_ms(m, exact=exact)
+        log(f"trainer {name}: {out[name]:.1f} ms")
+        del m
+        free_memory()
+    return out
 
 
 def run(
@@ -256,70 +272,38 @@ def run(
     arms=ARMS,
     hf_batches=None,
     steps: int = 20,
+    generate_steps: int = 64,
+    rollout: tuple[int, int, int] | None = (256, 1024, 1024),
     log=print,
-) -> tuple[list[Row], dict[str, float], dict]:
-    """Run the chosen arms on CUDA; returns (decode rows, trainer ms by arm, run facts)."""
+) -> BenchResult:
+    """Run the chosen arms on CUDA. `generate_steps`: decode steps timed through `generate`
+    per point (0: none, nor prefill); `rollout`: (requests, prompt tokens, new tokens), run on
+    each engine arm, or None."""
     from samebits.engine.llm import LLM
 
     if not torch.cuda.is_available():
         raise RuntimeError("samebits bench measures CUDA decode steps; no CUDA device is visible")
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
-    meta = {"device": torch.cuda.get_device_name(dev), "copy_GBps": bw / 1e9, "model": str(model)}
-    log(f"copy bandwidth {bw / 1e12:.2f} TB/s on {meta['device']}")
-    rows: list[Row] = []
-    cfg = None
+    result = BenchResult(
+        meta={"device": torch.cuda.get_device_name(dev), "copy_GBps": bw / 1e9, "model": str(model)}
+    )
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s on {result.meta['device']}")
     engine_arms = [a for a in arms if a in PROFILES]
     if engine_arms:
         t0 = time.perf_counter()
-        llm = LLM(model, device="cuda", max_num_seqs=max(batches), max_model_len=context + 16)
-        cfg = llm.config
+        llm = LLM(model, device="cuda", **engine_limits(batches, context, generate_steps, rollout))
         log(f"engine built in {time.perf_counter() - t0:.0f} s")
         for arm in engine_arms:
-            llm.set_numerics(arm)
-            for b in batches:
-                ms = engine_step_ms(llm, b, context, steps)
-                rows.append(Row(arm, b, context, ms, 1000 * b / ms, 1000 * step_bytes(cfg, b, context) / bw))
-                log(
-                    f"{arm:>6} batch {b:>4}: {ms:.2f} ms/step "
-                    f"(graph replay {replay_ms.get((arm, b), 0):.2f} ms)"
-                )
-        meta["graph_replay_ms"] = {f"{a}/batch {b}": ms for (a, b), ms in replay_ms.items()}
+            result.rows += measure_engine_arm(llm, arm, batches, context, steps, generate_steps, bw, log)
+            if rollout:
+                result.rollout[arm] = measure_rollout_arm(llm, arm, rollout, log)
+        result.meta["graph_replay_ms"] = {f"{a}/batch {b}": ms for (a, b), ms in replay_ms.items()}
         del llm
         free_memory()
-    trainer_rows: dict[str, float] = {}
-    if "hf" in arms or "trainer" in arms:
-        from transformers import AutoModelForCausalLM
-
-        from samebits import trainer
-
-        if "hf" in arms:
-            hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, device_map="cuda").eval()
-            cfg = cfg or ModelConfig.from_pretrained(model)
-            for b in hf_batches or batches:
-                with torch.inference_mode():
-                    ms = hf_generate_step_ms(hf, b, context)
-                rows.append(
-                    Row("transformers", b, context, ms, 1000 * b / ms, 1000 * step_bytes(cfg, b, context) / bw)
-                )
-                log(f"transformers batch {b:>4}: {ms:.2f} ms/step")
-            del hf
-            free_memory()
-        if "trainer" in arms:
-            for name, impl, exact in (
-                ("samebits kernels (exact)", {}, True),
-                (
-                    "stock transformers (grouped_mm + sdpa)",
-                    {"experts_implementation": "grouped_mm", "attn_implementation": "sdpa"},
-                    False,
-                ),
-            ):
-                m = trainer.load_hf_model(model, device="cuda", **impl)
-                for n, p in m.named_parameters():  # experts frozen: their grads alone would not fit beside them
-                    p.requires_grad_("mlp.experts" not in n)
-                m.train()
-                trainer_rows[name] = trainer_step_ms(m, exact=exact)
-                log(f"trainer {name}: {trainer_rows[name]:.1f} ms")
-                del m
-                free_memory()
-    return rows, trainer_rows, meta
+    if "hf" in arms:
+        cfg = ModelConfig.from_pretrained(model)
+        result.rows += _hf_rows(model, hf_batches or batches, context, bw, cfg, log)
+    if "trainer" in arms:
+        result.trainer_ms = _trainer_ms(model, log)
+    return result

@@ -1,0 +1,136 @@
+"""What users see: decode, prefill and a whole rollout timed through `LLM.generate`.
+
+Every number here is wall time of `LLM.generate` calls on random prompts with
+`ignore_eos=True` (so every request runs its full `max_tokens`), the device synchronized
+before and after. Nothing reaches into the engine: the scheduler, the host loop, chunked
+prefill, CUDA graphs, sampling and detokenization-free outputs are all counted. The
+functions run on any device (CPU tests use the tiny model); `samebits bench` runs them
+on CUDA.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from samebits.requests import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateTimes:
+    """One batch point measured through `LLM.generate`.
+
+    `prefill_s`: B prompts of `context` tokens with max_tokens=1 (their prefill, one token
+    each). `first_s` / `last_s`: the same prompts with max_tokens `first` / `last`. Every
+    request does `last - first` more decode steps in the second call, all of them at the
+    full batch (see `first_decode_tokens`), so the difference is B-row decode steps only.
+    """
+
+    batch: int
+    context: int
+    prefill_s: float
+    first: int
+    first_s: float
+    last: int
+    last_s: float
+
+    @property
+    def prefill_tok_s(self) -> float:
+        """Prompt tokens per second of the prefill-only call."""
+        return self.batch * self.context / self.prefill_s
+
+    @property
+    def decode_ms(self) -> float:
+        """Milliseconds per extra output token of every row: (t_last - t_first) / (last - first)."""
+        return 1000 * (self.last_s - self.first_s) / (self.last - self.first)
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Output tokens per second of the batch at `decode_ms` a step."""
+        return 1000 * self.batch / self.decode_ms
+
+
+@dataclass(frozen=True)
+class RolloutTimes:
+    """`requests` prompts of `prompt_len` tokens, each generating `new_tokens` (ignore_eos)."""
+
+    requests: int
+    prompt_len: int
+    new_tokens: int
+    seconds: float
+
+    @property
+    def output_tok_s(self) -> float:
+        """Generated tokens (all requests) per second of wall time, prefill included."""
+        return self.requests * self.new_tokens / self.seconds
+
+
+def random_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
+    """`count` prompts of `length` token ids drawn uniformly (a fixed seed: every arm gets the same)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (count, length), generator=g).tolist()
+
+
+def first_decode_tokens(batch: int, context: int, max_num_batched_tokens: int) -> int:
+    """A max_tokens past the prefill phase of `batch` prompts of `context` tokens.
+
+    The scheduler runs decodes first and fills the rest of a step's token budget with
+    prefill chunks, so the earliest prompts start decoding while later ones prefill. That
+    phase lasts at most ceil(batch * context / (budget - batch)) steps; a request that
+    outlives it is, in a call with more max_tokens, given the extra steps after every row
+    has joined, so the extra time is full-batch decode steps.
+    """
+    room = max(max_num_batched_tokens - batch, 1)
+    return -(-batch * context // room) + 1
+
+
+def timed_generate(llm, prompts: list[list[int]], max_tokens: int, seed: int = 0) -> float:
+    """Seconds of one `llm.generate` call (device synchronized before and after)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=seed)
+    sync(llm)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, progress=False)
+    sync(llm)
+    seconds = time.perf_counter() - t0
+    got = {len(o.token_ids) for o in outs}
+    if got != {max_tokens}:  # ignore_eos: every request runs to max_tokens, or the timing is wrong
+        raise RuntimeError(f"timed_generate: asked for {max_tokens} tokens per request, got {sorted(got)}")
+    return seconds
+
+
+def measure_generate(llm, batch: int, context: int, extra: int = 64, seed: int = 0) -> GenerateTimes:
+    """Prefill tok/s and decode ms per token of `batch` prompts of `context` tokens, all
+    through `llm.generate`. A first call (discarded) compiles kernels and captures the CUDA
+    graphs of every batch size the calls pass through; `extra` is the decode steps timed."""
+    if extra < 1:
+        raise ValueError(f"extra must be an int >= 1, got {extra!r}")
+    first = first_decode_tokens(batch, context, llm.engine.resolved_batched_tokens())
+
+    def call(i: int, max_tokens: int) -> float:  # fresh prompts each call: no cache could reuse a prefill
+        prompts = random_prompts(llm.config.vocab_size, batch, context, seed=seed + 1000 * batch + i)
+        return timed_generate(llm, prompts, max_tokens, seed=seed)
+
+    call(0, first)  # warm-up
+    prefill_s, first_s, last_s = call(1, 1), call(2, first), call(3, first + extra)
+    return GenerateTimes(batch, context, prefill_s, first, first_s, first + extra, last_s)
+
+
+def generate_max_len(context: int, batches, extra: int, max_num_batched_tokens: int) -> int:
+    """The max_model_len `measure_generate` needs at every batch: context + its last max_tokens."""
+    return max(context + first_decode_tokens(b, context, max_num_batched_tokens) + extra for b in batches)
+
+
+def measure_rollout(llm, requests: int, prompt_len: int, new_tokens: int, seed: int = 0) -> RolloutTimes:
+    """One rollout as an RL step issues it: `requests` prompts of `prompt_len` tokens, each
+    generating `new_tokens`, in one `generate` call (kernels already warmed by the decode points)."""
+    prompts = random_prompts(llm.config.vocab_size, requests, prompt_len, seed=seed)
+    seconds = timed_generate(llm, prompts, new_tokens, seed=seed)
+    return RolloutTimes(requests, prompt_len, new_tokens, seconds)
+
+
+def sync(llm) -> None:
+    device = torch.device(llm.engine.device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

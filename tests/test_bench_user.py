@@ -1,0 +1,214 @@
+"""`samebits bench`'s measurements through `LLM.generate`, run on the tiny model on the CPU:
+the shapes and fields of what they return, the schedule the decode timing relies on, and
+the table / JSON / CSV that carry them. No timing assertions: only that times are positive."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pytest
+from rich.console import Console
+
+from samebits import bench
+from samebits.bench import generate as bench_generate
+from samebits.bench import report as bench_report
+from samebits.engine.llm import LLM
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    return LLM(tiny, device="cpu", max_num_seqs=4, max_model_len=64)
+
+
+def _steps_of(llm, monkeypatch) -> list[tuple[int, ...]]:
+    """Records each engine step as the sorted token counts of its chunks (1 = a decode row)."""
+    steps, run = [], llm.runner.run
+
+    def recording(batch, reqs):
+        steps.append(tuple(sorted(c.num_tokens for c in batch.chunks)))
+        return run(batch, reqs)
+
+    monkeypatch.setattr(llm.runner, "run", recording)
+    return steps
+
+
+def _is_inserted_decodes(short, long, batch, extra) -> bool:
+    """long == short with `extra` full-batch decode steps inserted at one place."""
+    decode = (1,) * batch
+    return any(
+        long[:k] == short[:k] and long[k : k + extra] == [decode] * extra and long[k + extra :] == short[k:]
+        for k in range(len(short) + 1)
+    )
+
+
+@pytest.mark.parametrize("batch,context,budget", [(4, 8, 16), (3, 20, 24), (1, 30, 16)])
+def test_extra_tokens_past_first_are_full_batch_decode_steps(tiny, monkeypatch, batch, context, budget):
+    # the claim decode_ms rests on: a call with `first + extra` max_tokens runs the steps of the
+    # call with `first` plus `extra` steps of all `batch` rows decoding, and nothing else
+    llm = LLM(tiny, device="cpu", max_num_seqs=4, max_model_len=64, max_num_batched_tokens=budget)
+    prompts = bench_generate.random_prompts(llm.config.vocab_size, batch, context, seed=0)
+    first, extra = bench_generate.first_decode_tokens(batch, context, budget), 3
+    runs = []
+    for max_tokens in (1, 1 + extra, first, first + extra):
+        steps = _steps_of(llm, monkeypatch)
+        bench_generate.timed_generate(llm, prompts, max_tokens)
+        runs.append(list(steps))
+        monkeypatch.undo()
+    assert _is_inserted_decodes(runs[2], runs[3], batch, extra)
+    if batch > 1 and batch * context > budget:  # negative control: prompts prefilled in several
+        assert not _is_inserted_decodes(runs[0], runs[1], batch, extra)  # steps, so from max_tokens=1
+        # the early rows' extra decodes ride along with the later prefills
+
+
+def test_measure_generate_fields(llm):
+    g = bench_generate.measure_generate(llm, batch=3, context=10, extra=2)
+    assert (g.batch, g.context, g.last - g.first) == (3, 10, 2)
+    assert g.first == bench_generate.first_decode_tokens(3, 10, llm.engine.resolved_batched_tokens())
+    assert min(g.prefill_s, g.first_s, g.last_s) > 0
+    assert g.prefill_tok_s == 3 * 10 / g.prefill_s
+    assert g.decode_tok_s == pytest.approx(1000 * 3 / g.decode_ms)
+
+
+def test_measure_generate_refuses_no_extra_steps(llm):
+    with pytest.raises(ValueError, match="extra"):
+        bench_generate.measure_generate(llm, batch=1, context=4, extra=0)
+
+
+def test_timed_generate_checks_every_request_ran_to_max_tokens(llm, monkeypatch):
+    prompts = bench_generate.random_prompts(llm.config.vocab_size, 2, 5, seed=1)
+    assert bench_generate.timed_generate(llm, prompts, 3) > 0
+    generate = llm.generate
+
+    def short(prompts, params, progress=None):  # a request that stopped early (eos) would skew the time
+        outs = generate(prompts, params, progress)
+        outs[0].token_ids = outs[0].token_ids[:-1]
+        return outs
+
+    monkeypatch.setattr(llm, "generate", short)
+    with pytest.raises(RuntimeError, match="asked for 3 tokens per request, got \\[2, 3\\]"):
+        bench_generate.timed_generate(llm, prompts, 3)
+
+
+def test_measure_rollout(llm):
+    r = bench_generate.measure_rollout(llm, requests=5, prompt_len=6, new_tokens=4)
+    assert (r.requests, r.prompt_len, r.new_tokens) == (5, 6, 4)  # 5 > max_num_seqs: queued
+    assert r.seconds > 0 and r.output_tok_s == 5 * 4 / r.seconds
+
+
+def test_engine_limits_fit_every_measurement(tiny):
+    batches, context, extra, rollout = (1, 4), 12, 5, (6, 7, 9)
+    limits = bench.engine_limits(batches, context, extra, rollout)
+    assert limits["max_num_seqs"] == 6
+    llm = LLM(tiny, device="cpu", **limits)
+    budget = llm.engine.resolved_batched_tokens()
+    for b in batches:
+        assert (
+            context + bench_generate.first_decode_tokens(b, context, budget) + extra <= limits["max_model_len"]
+        )
+    assert limits["max_model_len"] >= 7 + 9
+
+
+def _result(llm) -> bench_report.BenchResult:
+    result = bench_report.BenchResult(meta={"device": "cpu"})
+    for arm in ("exact", "fast"):
+        result.rows += bench.measure_engine_arm(llm, arm, (1, 2), 8, 2, 2, bandwidth=1e12, log=lambda _: None)
+        result.rollout[arm] = bench.measure_rollout_arm(llm, arm, (3, 5, 4), log=lambda _: None)
+    result.trainer_ms = {bench_report.EXACT_TRAINER: 2.0, bench_report.STOCK_TRAINER: 1.0}
+    result.rl_step = {"on_policy_s": 3.0, "stock_s": 2.0, "ratio": 1.5, "steps": 3, "shape": "8 x 4 (8 -> 128)"}
+    return result
+
+
+def test_engine_arm_rows_carry_generate_step_and_floor(llm):
+    result = _result(llm)
+    assert [(r.arm, r.batch) for r in result.rows] == [("exact", 1), ("exact", 2), ("fast", 1), ("fast", 2)]
+    for r in result.rows:
+        assert min(r.step_ms, r.generate_ms, r.prefill_tok_s, r.floor_ms, r.tokens_per_s) > 0
+        assert r.replay_ms is None  # no CUDA graphs on the CPU
+    assert set(result.rollout) == {"exact", "fast"}
+    assert result.rollout["fast"]["output_tok_s"] == 3 * 4 / result.rollout["fast"]["seconds"]
+
+
+def test_table_json_and_csv_carry_the_new_measures(llm, tmp_path):
+    result = _result(llm)
+    console = Console(file=io.StringIO(), width=200)
+    bench_report.print_table(result, console)
+    text = console.file.getvalue()
+    for measure in ("decode through generate", "engine step", "prefill through generate", "memory floor"):
+        assert measure in text
+    assert "3 x (5 -> 4)" in text and "RL step" in text and "8 x 4 (8 -> 128)" in text
+    assert "1.50x" in text and "2.00x" in text  # RL step and trainer: exact (on-policy) over fast (stock)
+    written = bench_report.write_outputs(result, tmp_path)
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["rl_step"]["ratio"] == 1.5 and data["rollout"]["exact"]["requests"] == 3
+    for row in data["decode"]:
+        assert {"generate_ms", "generate_tokens_per_s", "prefill_tok_s", "replay_ms", "step_ms"} <= set(row)
+    lines = list(csv.DictReader((tmp_path / "bench.csv").open()))
+    assert len(lines) == 4 and float(lines[0]["generate_ms"]) == result.rows[0].generate_ms
+    assert written[:2] == [tmp_path / "bench.json", tmp_path / "bench.csv"]
+
+
+def test_exact_over_fast_inverts_rates():
+    assert bench_report.exact_over_fast([10.0, 5.0, None], "ms") == "2.00x"
+    assert bench_report.exact_over_fast([5.0, 10.0, None], "tok/s") == "2.00x"
+    assert bench_report.exact_over_fast([None, 10.0, None], "ms") == ""
+
+
+@pytest.mark.parametrize(
+    "argv,field",
+    [
+        (["--generate-steps", "-1"], "--generate-steps"),
+        (["--input-len", "0"], "--input-len"),
+        (["--num-prompts", "x"], "--num-prompts"),
+        (["--arms", ""], "--arms"),  # nothing to run: empty arms only with --rl
+    ],
+)
+def test_bench_cli_refuses_bad_user_flags(argv, field, tmp_path, capsys):
+    from samebits.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--dir", str(tmp_path / "ckpt"), *argv])
+    assert exit_.value.code == 2
+    assert field in capsys.readouterr().err
+
+
+def test_rl_step_ratio_of_the_on_policy_and_stock_loops(tiny):
+    from samebits.rl import arms as bench_rl
+
+    r = bench_rl.bench_ratio(tiny, 2, device="cpu", spawn=False, num_prompts=2, n=2, max_tokens=4)
+    assert r["shape"] == "2 x 2 (8 -> 4)" and r["steps"] == 2
+    assert min(r["on_policy_s"], r["stock_s"]) > 0
+    assert r["ratio"] == r["on_policy_s"] / r["stock_s"]
+
+
+def test_rl_arms_refuse_an_unknown_arm(tiny):
+    from samebits.rl import RLConfig
+    from samebits.rl import arms as bench_rl
+
+    with pytest.raises(ValueError, match="unknown \\['stok'\\]"):
+        bench_rl.run_arms(RLConfig(model=str(tiny)), ("on-policy", "stok"), spawn=False)
+
+
+@pytest.mark.gpu
+def test_bench_cli_on_cuda_writes_every_measure(tiny, tmp_path, capsys):
+    # the whole CUDA path at tiny sizes: engine steps with graph replays, generate, rollout, RL
+    from samebits.cli import main
+
+    out = tmp_path / "out"
+    argv = ["bench", "--model", str(tiny), "--batches", "1,2", "--context", "16", "--arms", "exact,fast"]
+    argv += ["--steps", "2", "--generate-steps", "2", "--num-prompts", "3", "--input-len", "8"]
+    argv += ["--output-len", "4", "--rl", "--rl-steps", "2", "--out", str(out)]
+    assert main(argv) == 0
+    data = json.loads((out / "bench.json").read_text())
+    assert [(r["arm"], r["batch"]) for r in data["decode"]] == [
+        ("exact", 1),
+        ("exact", 2),
+        ("fast", 1),
+        ("fast", 2),
+    ]
+    for r in data["decode"]:
+        assert min(r["step_ms"], r["generate_ms"], r["replay_ms"], r["prefill_tok_s"]) > 0
+    assert {a: r["requests"] for a, r in data["rollout"].items()} == {"exact": 3, "fast": 3}
+    assert data["rl_step"]["shape"] == "8 x 4 (8 -> 128)" and data["rl_step"]["ratio"] > 0
+    assert "rollout through generate" in capsys.readouterr().out
