@@ -31,7 +31,9 @@ def proc(tiny):
 
 
 def _params(i: int) -> SamplingParams:
-    return SamplingParams(max_tokens=12 + i, temperature=0.8 + 0.1 * i, seed=100 + i, ignore_eos=True, n=1 + i % 2)
+    return SamplingParams(
+        max_tokens=12 + i, temperature=0.8 + 0.1 * i, seed=100 + i, ignore_eos=True, n=1 + i % 2
+    )
 
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79], [32, 38, 46, 26, 43, 38, 32], [79, 50], [28, 84, 19, 71, 69, 39]]
