@@ -36,9 +36,13 @@ class Server:
                 line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
                 self.proc.kill()
-                raise AssertionError(f"server not ready in {READY_TIMEOUT} s; its stderr:\n{''.join(seen)}") from None
+                raise AssertionError(
+                    f"server not ready in {READY_TIMEOUT} s; its stderr:\n{''.join(seen)}"
+                ) from None
             if line is None:
-                raise AssertionError(f"server exited ({self.proc.wait()}) before ready; its stderr:\n{''.join(seen)}")
+                raise AssertionError(
+                    f"server exited ({self.proc.wait()}) before ready; its stderr:\n{''.join(seen)}"
+                )
             seen.append(line)
             if "ready on http://" in line:
                 self.url = line.split("ready on ")[1].split()[0]

@@ -1,0 +1,167 @@
+"""Weight digests: is the engine's tensor the trainer's, bit for bit?
+
+Two kinds, compared only with their own kind:
+
+- `"sha256"`: sha256 of the tensor's raw bytes, copied to the host. Cryptographic, and
+  slow for a large model: a 30B model in bf16 is ~61 GB through one host core.
+- `"fast"`: a 256-bit checksum computed where the tensor lives (CPU or CUDA), with no host
+  copy of the data. NOT cryptographic: it detects accidental differences (a stale or
+  partly copied tensor, one flipped bit, permuted or transposed words), not an adversary.
+
+The fast digest. The tensor's logical bytes (row-major, whatever its strides) are read as
+little-endian int64 words w_i, the last one zero-padded. In each of 4 lanes every word is
+mixed with its global index i, and the lane is the SUM of the mixed words:
+
+    z = w_i ^ (i * A + S)                        # the word at its position
+    z = (z ^ (z >>> 30)) * M1                     # splitmix64's finalizer, per-lane
+    z = (z ^ (z >>> 27)) * M2                     # multipliers: a bijection of z
+    z =  z ^ (z >>> 31)
+    lane = sum_i z   (mod 2**64)
+
+All of it is int64 arithmetic that wraps mod 2**64 (the same bits on every device), and
+integer addition is exact and associative, so the lanes do not depend on the device, the
+chunking or the reduction order. Each step is a bijection of w_i for a fixed i, so a
+change confined to one word (a flipped bit anywhere) changes every lane, always; a swap
+of two different words changes a lane unless two 64-bit mixes happen to cancel. The
+digest is sha256 over (dtype, shape, byte count, the 4 lanes): a tensor with the same
+bytes but another dtype or shape gets another digest.
+
+Cost: ~15 elementwise int64 passes per lane over 8 bytes of input, in bounded chunks
+(`CHUNK_BYTES`), one device sync per tensor. See docs/rl.md and benchmarks/digest_cost.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+import torch
+
+DIGEST_KINDS = ("fast", "sha256")
+CHUNK_BYTES = 16 * 2**20  # input bytes per chunk: the [4, words] int64 temporaries are 4x this
+
+MASK64 = 2**64 - 1
+
+
+def _s64(x: int) -> int:
+    """A 64-bit constant as the int64 with the same bits."""
+    return x - 2**64 if x >= 2**63 else x
+
+
+# per lane: index multiplier A, lane seed S, finalizer multipliers M1, M2 (all odd, all
+# published mixing constants: splitmix64, murmur3 fmix64, xxhash64 primes)
+LANES = (
+    (0x9E3779B97F4A7C15, 0x243F6A8885A308D3, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB),
+    (0xC2B2AE3D27D4EB4F, 0x13198A2E03707344, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53),
+    (0x165667B19E3779F9, 0xA4093822299F31D0, 0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F),
+    (0x27D4EB2F165667C5, 0x082EFA98EC4E6C89, 0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5),
+)
+SHIFTS = (30, 27, 31)
+
+
+def tensor_digest(t: torch.Tensor, kind: str = "sha256") -> str:
+    """Hex digest of a tensor's contents: `kind` "sha256" (raw bytes on the host; dtype and
+    shape not hashed) or "fast" (`fast_digest`: on the tensor's device, not cryptographic)."""
+    if kind == "sha256":
+        return sha256_digest(t)
+    if kind == "fast":
+        return fast_digest(t)
+    raise ValueError(f"digest kind must be one of {DIGEST_KINDS}, got {kind!r}")
+
+
+def sha256_digest(t: torch.Tensor) -> str:
+    """sha256 hex of a tensor's raw bytes (dtype and shape are not hashed)."""
+    data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
+
+
+def fast_digest(t: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> str:
+    """64 hex chars: the 4-lane wrapping-sum checksum of `t`'s logical contents (module
+    docstring), computed on `t.device` in chunks of at most `chunk_bytes` input bytes
+    (a multiple of 8). The same value on every device and for every `chunk_bytes`.
+    Not cryptographic: use `sha256_digest` where tampering matters."""
+    _check(t, chunk_bytes)
+    lanes = fast_lanes(t, chunk_bytes)
+    head = f"samebits-fast-v1|{t.dtype}|{tuple(t.shape)}|{t.numel() * t.element_size()}|"
+    return hashlib.sha256((head + ",".join(f"{x:016x}" for x in lanes)).encode()).hexdigest()
+
+
+def fast_lanes(t: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> list[int]:
+    """The 4 lane sums of `t` as unsigned 64-bit ints (no dtype/shape: see `fast_digest`)."""
+    _check(t, chunk_bytes)
+    dev = t.device
+    consts = torch.tensor([[_s64(c) for c in lane] for lane in LANES], dtype=torch.int64, device=dev)
+    a, s, m1, m2 = (consts[:, j : j + 1] for j in range(4))  # each [4, 1]
+    acc = torch.zeros(len(LANES), dtype=torch.int64, device=dev)
+    for start, words in _word_chunks(_byte_pieces(t.detach(), chunk_bytes)):
+        idx = torch.arange(start, start + words.numel(), dtype=torch.int64, device=dev)
+        z = idx * a  # [4, W]
+        z.add_(s).bitwise_xor_(words)
+        for shift, m in zip(SHIFTS, (m1, m2, None), strict=True):
+            z.bitwise_xor_(_shr(z, shift))
+            if m is not None:
+                z.mul_(m)
+        acc.add_(z.sum(dim=1))
+    return [x & MASK64 for x in acc.tolist()]
+
+
+def _shr(z: torch.Tensor, shift: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> on int64 is arithmetic)."""
+    return (z >> shift).bitwise_and_((1 << (64 - shift)) - 1)
+
+
+def _check(t, chunk_bytes: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"fast_digest: expected a tensor, got {type(t).__name__}")
+    if t.is_meta or t.layout != torch.strided:
+        raise ValueError("fast_digest: the tensor must be a dense tensor with data (not meta, not sparse)")
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 16 or chunk_bytes % 8:
+        raise ValueError(f"fast_digest: chunk_bytes must be a multiple of 8, >= 16, got {chunk_bytes!r}")
+
+
+def _byte_pieces(t: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
+    """t's logical contents in row-major order as 1-D uint8 tensors of <= max_bytes each:
+    views of a contiguous tensor, else contiguous copies of row ranges (never the whole)."""
+    if t.is_contiguous():
+        flat = _flat_bytes(t)  # a view: no copy
+        for i in range(0, flat.numel(), max_bytes):
+            yield flat[i : i + max_bytes]
+        return
+    row_bytes = t[0].numel() * t.element_size()  # dim >= 1: a 0-d tensor is contiguous
+    rows = max_bytes // row_bytes
+    if rows == 0:  # one row is too big: split it
+        for i in range(t.shape[0]):
+            yield from _byte_pieces(t[i], max_bytes)
+        return
+    for i in range(0, t.shape[0], rows):
+        yield _flat_bytes(t[i : i + rows].contiguous())
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a 1-D uint8 view. A tensor of <= 1 element counts as
+    contiguous whatever its strides; its flat view gets stride 1 (its one element)."""
+    flat = t.reshape(-1)
+    if flat.numel() <= 1:
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
+
+
+def _word_chunks(pieces: Iterator[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+    """Byte pieces -> (index of the first word, 1-D int64 words); a piece's last < 8 bytes
+    carry into the next one, and the final partial word is zero-padded."""
+    start, carry = 0, None
+    for piece in pieces:
+        if carry is not None:
+            piece = torch.cat([carry, piece])
+        n = piece.numel() // 8 * 8
+        if n:
+            body = piece[:n]
+            if body.data_ptr() % 8:  # an int64 view needs 8-byte alignment
+                body = body.clone()
+            yield start, body.view(torch.int64)
+            start += n // 8
+        carry = piece[n:] if n < piece.numel() else None
+    if carry is not None:
+        tail = torch.zeros(8, dtype=torch.uint8, device=carry.device)
+        tail[: carry.numel()] = carry
+        yield start, tail.view(torch.int64)

@@ -1,0 +1,243 @@
+"""The fast weight digest (`samebits.engine.digest`): a pure-Python reference gives the same
+lanes, the chunking does not change it, one flipped bit anywhere always changes it, and
+`samebits rl` digests both sides with the kind it was given."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from samebits import rl
+from samebits.cli import main
+from samebits.engine.digest import (
+    DIGEST_KINDS,
+    LANES,
+    MASK64,
+    _byte_pieces,
+    _word_chunks,
+    fast_digest,
+    fast_lanes,
+    sha256_digest,
+    tensor_digest,
+)
+from samebits.rl import checkpoint
+from samebits.rl.loop import RLLoop
+
+
+def _ref_lanes(t: torch.Tensor) -> list[int]:
+    """The module docstring's formula in Python ints mod 2**64: no torch arithmetic."""
+    data = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    data += b"\0" * (-len(data) % 8)
+    words = [int.from_bytes(data[i : i + 8], "little") for i in range(0, len(data), 8)]
+
+    def shr_xor(z, s):
+        return z ^ (z >> s)
+
+    out = []
+    for a, s, m1, m2 in LANES:
+        acc = 0
+        for i, w in enumerate(words):
+            z = w ^ ((i * a + s) & MASK64)
+            z = (shr_xor(z, 30) * m1) & MASK64
+            z = (shr_xor(z, 27) * m2) & MASK64
+            acc = (acc + shr_xor(z, 31)) & MASK64
+        out.append(acc)
+    return out
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "bf16": torch.randn(37, 9, generator=g).bfloat16(),  # 666 bytes: a padded tail
+        "fp32": torch.randn(41, generator=g),
+        "int32": torch.randint(-(2**31), 2**31 - 1, (13,), dtype=torch.int32, generator=g),
+        "int64": torch.randint(-(2**62), 2**62, (7,), generator=g) * 2 - 1,  # top bits set
+        "uint8_odd": torch.randint(0, 256, (11,), dtype=torch.uint8, generator=g),
+        "bool": torch.rand(9, generator=g) > 0.5,
+        "scalar": torch.tensor(3.5, dtype=torch.bfloat16),
+    }
+
+
+@pytest.mark.parametrize("name", list(_tensors()))
+def test_lanes_equal_the_pure_python_reference(name):
+    t = _tensors()[name]
+    assert fast_lanes(t) == _ref_lanes(t)
+    assert fast_lanes(t, chunk_bytes=16) == _ref_lanes(t)
+
+
+def test_the_reference_sees_the_index_and_the_lanes_differ():
+    # control for the reference test: equal words at different indices mix differently
+    t = torch.full((4,), 7, dtype=torch.int64)
+    lanes = _ref_lanes(t)
+    assert len(set(lanes)) == 4 and lanes != _ref_lanes(torch.full((1,), 7, dtype=torch.int64)) * 4
+
+
+def _chunk_count(t, chunk_bytes) -> int:
+    return len(list(_word_chunks(_byte_pieces(t, chunk_bytes))))
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_chunking_does_not_change_the_digest(strided):
+    t = torch.randn(300, 70).bfloat16()
+    if strided:
+        t = t.t()[::3]  # [24, 300], strides (3, 70): not contiguous
+    sizes = (16, 24, 40, 1000, 8 * 1024, 2**20)
+    # the chunkings really differ (1 to thousands of partial sums), which is what is claimed
+    counts = [_chunk_count(t, c) for c in sizes]
+    assert len(set(counts)) == len(sizes) and counts[-1] == 1, counts
+    assert len({fast_digest(t, chunk_bytes=c) for c in sizes}) == 1
+
+
+def test_a_view_at_an_unaligned_address_is_read_from_its_own_first_byte():
+    x = torch.randn(101).bfloat16()
+    v = x[1:]  # contiguous, 2 bytes past an 8-byte boundary: its words are copied first
+    assert v.is_contiguous() and v.data_ptr() % 8 == 2
+    assert fast_lanes(v) == _ref_lanes(v.clone()) != fast_lanes(x[:-1])
+
+
+def test_pieces_stay_within_the_chunk_and_cover_the_logical_bytes():
+    t = torch.arange(5 * 7 * 3, dtype=torch.float32).reshape(5, 7, 3).permute(2, 0, 1)
+    pieces = list(_byte_pieces(t, 24))
+    assert max(p.numel() for p in pieces) <= 24
+    assert torch.equal(torch.cat(pieces), t.contiguous().reshape(-1).view(torch.uint8))
+
+
+def _flip(t: torch.Tensor, byte: int, bit: int) -> torch.Tensor:
+    u = t.clone()
+    u.reshape(-1).view(torch.uint8)[byte] ^= 1 << bit
+    return u
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp32", "uint8_odd", "int64", "scalar"])
+def test_one_flipped_bit_anywhere_changes_every_lane(name):
+    t = _tensors()[name]
+    n = t.numel() * t.element_size()
+    base = fast_lanes(t)
+    assert fast_lanes(t.clone()) == base  # control: a copy of the same bits is the same
+    # first, middle and last byte; the last bytes sit in the zero-padded tail word when n % 8
+    for byte in sorted({0, n // 2, n - 1, n - 1 - (n % 8 or 8) + 1}):
+        for bit in range(8):
+            lanes = fast_lanes(_flip(t, byte, bit), chunk_bytes=16)
+            assert all(a != b for a, b in zip(lanes, base, strict=True)), (byte, bit)
+
+
+def test_every_single_bit_of_a_small_tensor_is_seen():
+    t = torch.randn(5).bfloat16()  # 10 bytes: one full word and a padded one
+    digests = {fast_digest(_flip(t, byte, bit)) for byte in range(10) for bit in range(8)}
+    assert len(digests) == 80 and fast_digest(t) not in digests
+
+
+def test_swapped_words_and_elements_change_it():
+    t = torch.randn(64, 64).bfloat16()
+    words = t.clone()
+    w = words.view(-1).view(torch.int64)
+    w[[3, 100]] = w[[100, 3]]
+    elems = t.clone().view(-1)
+    elems[[0, 1]] = elems[[1, 0]]  # two bf16 inside one word
+    assert len({fast_digest(x) for x in (t, words, elems, t.t().contiguous())}) == 4
+    assert not torch.equal(words, t) and not torch.equal(elems, t)  # control: they did change
+
+
+def test_dtype_and_shape_are_part_of_the_digest():
+    t = torch.randn(4, 6).bfloat16()
+    same_bytes = [t, t.view(torch.int16), t.reshape(6, 4), t.reshape(24)]
+    assert len({tuple(fast_lanes(x)) for x in same_bytes}) == 1  # control: the same words
+    assert len({fast_digest(x) for x in same_bytes}) == 4
+
+
+def test_non_contiguous_input_digests_its_logical_contents():
+    t = torch.randn(32, 48).bfloat16()
+    views = [t.t(), t[:, ::2], t[1::3, 5:], t[:1].expand(32, 48), t.reshape(4, 8, 48).permute(1, 2, 0)]
+    for v in views:
+        assert not v.is_contiguous()
+        assert fast_digest(v, chunk_bytes=24) == fast_digest(v.contiguous())
+    assert fast_digest(t.t()) != fast_digest(t)  # control: a transpose is other contents
+
+
+def test_zero_element_tensors():
+    shapes = [(0,), (0, 3), (3, 0), (2, 0, 5)]
+    for s in shapes:
+        assert fast_lanes(torch.empty(s)) == [0, 0, 0, 0]
+    assert len({fast_digest(torch.empty(s)) for s in shapes}) == len(shapes)
+    assert fast_digest(torch.empty(0)) == fast_digest(torch.empty(0))
+
+
+def test_kinds_and_refusals():
+    t = torch.randn(10).bfloat16()
+    assert (
+        tensor_digest(t)
+        == sha256_digest(t)
+        == hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+    )
+    assert tensor_digest(t, "fast") == fast_digest(t) != sha256_digest(t)
+    assert DIGEST_KINDS == ("fast", "sha256")
+    with pytest.raises(ValueError, match="digest kind must be one of"):
+        tensor_digest(t, "md5")
+    with pytest.raises(ValueError, match="chunk_bytes must be a multiple of 8"):
+        fast_digest(t, chunk_bytes=12)
+    with pytest.raises(ValueError, match="dense tensor with data"):
+        fast_digest(torch.empty(3, device="meta"))
+    with pytest.raises(TypeError, match="expected a tensor"):
+        fast_digest([1, 2])
+
+
+# -- `samebits rl` digests both sides with the configured kind --------------------------------
+
+
+@pytest.mark.parametrize("kind", DIGEST_KINDS)
+def test_rl_digests_engine_and_trainer_with_the_configured_kind(tiny, kind):
+    loop = RLLoop(rl.RLConfig(model=str(tiny), digest_kind=kind))
+    params = dict(loop.model.named_parameters())
+    name = "model.norm.weight"
+    assert loop.llm.weight_digests(name, kind=kind)[name] == tensor_digest(params[name], kind)
+    assert loop.digest_mismatches() == []
+    with torch.no_grad():  # negative control: one ulp the engine was not given
+        params[name][0] = torch.nextafter(params[name][0], torch.tensor(10.0, dtype=params[name].dtype))
+    assert loop.digest_mismatches() == [name]
+    loop.sync_weights()
+    assert loop.digest_mismatches() == []
+
+
+def test_rl_default_is_fast_and_bad_kinds_are_refused(tiny):
+    assert rl.RLConfig().digest_kind == "fast"
+    with pytest.raises(ValueError, match="digest_kind must be one of"):
+        rl.RLConfig(digest_kind="md5")
+    with pytest.raises(ValueError, match="weight_digests: kind must be one of"):
+        RLLoop(rl.RLConfig(model=str(tiny))).llm.weight_digests(kind="md5")
+
+
+def test_cli_digest_kind_reaches_the_config(tmp_path, tiny):
+    out = tmp_path / "run"
+    args = ["rl", "--model", str(tiny), "--out", str(out), "--no-live", "--steps", "1"]
+    assert main([*args, "--digest-kind", "sha256"]) == 0
+    assert checkpoint.load(out / "checkpoint.pt")["config"]["digest_kind"] == "sha256"
+    with pytest.raises(SystemExit):
+        main([*args, "--digest-kind", "md5", "--overwrite"])
+
+
+# -- CUDA: the same digest as on the CPU ------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(_tensors()))
+def test_cuda_digest_equals_the_cpu_digest(name):
+    t = _tensors()[name]
+    assert fast_digest(t.cuda()) == fast_digest(t)
+    assert fast_digest(t.cuda(), chunk_bytes=16) == fast_digest(t)
+
+
+@pytest.mark.gpu
+def test_cuda_digest_equals_the_cpu_digest_at_scale():
+    g = torch.Generator().manual_seed(1)
+    t = torch.randn(3000, 2049, generator=g).bfloat16()  # 12.3 MB, odd byte count per row
+    d = t.cuda()
+    for chunk in (2**20, 2**22 + 8):  # several chunks, and one chunk size not a power of 2
+        assert fast_digest(d, chunk_bytes=chunk) == fast_digest(t)
+    assert fast_digest(d.t()) == fast_digest(t.t())  # non-contiguous on both devices
+    assert fast_digest(d[:, 1:]) == fast_digest(t[:, 1:])  # misaligned rows: carried bytes
+    flipped = d.clone()
+    flipped.view(-1).view(torch.int16)[-1] ^= 1  # control: the device sees a flipped bit
+    assert fast_digest(flipped) != fast_digest(t)
+    assert fast_digest(torch.empty(0, 5, device="cuda")) == fast_digest(torch.empty(0, 5))
