@@ -5,6 +5,7 @@ lanes, the chunking does not change it, one flipped bit anywhere always changes 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -241,3 +242,13 @@ def test_cuda_digest_equals_the_cpu_digest_at_scale():
     flipped.view(-1).view(torch.int16)[-1] ^= 1  # control: the device sees a flipped bit
     assert fast_digest(flipped) != fast_digest(t)
     assert fast_digest(torch.empty(0, 5, device="cuda")) == fast_digest(torch.empty(0, 5))
+
+
+def test_resume_may_change_the_digest_kind_and_old_checkpoints_lack_it():
+    saved = asdict(rl.RLConfig(digest_kind="sha256"))
+    checkpoint.check_config(saved, rl.RLConfig())  # sha256 -> fast: allowed
+    del saved["digest_kind"]  # a checkpoint written before the field existed
+    checkpoint.check_config(saved, rl.RLConfig())
+    saved["lr"] = 1.0  # control: a field that is the run's state is still refused
+    with pytest.raises(rl.CheckpointError, match="lr: 1.0 -> 0.03"):
+        checkpoint.check_config(saved, rl.RLConfig())

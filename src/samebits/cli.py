@@ -243,7 +243,7 @@ def _add_rl(sub) -> None:
         default="",
         metavar="FIELDS",
         help="comma-separated config fields (e.g. lr,seed) that --resume may change "
-        "(--steps and --out always may)",
+        "(--steps, --out and --digest-kind always may)",
     )
     r.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     r.add_argument(

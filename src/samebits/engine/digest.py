@@ -27,7 +27,9 @@ digest is sha256 over (dtype, shape, byte count, the 4 lanes): a tensor with the
 bytes but another dtype or shape gets another digest.
 
 Cost: ~15 elementwise int64 passes per lane over 8 bytes of input, in bounded chunks
-(`CHUNK_BYTES`), one device sync per tensor. See docs/rl.md and benchmarks/digest_cost.py.
+(`CHUNK_BYTES`), one device sync per tensor: memory-bound on a GPU, and on a CPU slower
+than hashlib's sha256 (which has the SHA instructions). See docs/rl.md and
+benchmarks/digest_cost.py.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ from collections.abc import Iterator
 import torch
 
 DIGEST_KINDS = ("fast", "sha256")
-CHUNK_BYTES = 16 * 2**20  # input bytes per chunk: the [4, words] int64 temporaries are 4x this
+# input bytes per chunk; the [4, words] int64 temporaries are 4x this. CUDA: large enough
+# that ~15 launches per chunk hide behind the work; CPU: temporaries that stay in cache
+CHUNK_BYTES = {"cuda": 16 * 2**20, "cpu": 2**20}
 
 MASK64 = 2**64 - 1
 
@@ -75,10 +79,11 @@ def sha256_digest(t: torch.Tensor) -> str:
     return hashlib.sha256(data.numpy().tobytes()).hexdigest()
 
 
-def fast_digest(t: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> str:
+def fast_digest(t: torch.Tensor, chunk_bytes: int | None = None) -> str:
     """64 hex chars: the 4-lane wrapping-sum checksum of `t`'s logical contents (module
-    docstring), computed on `t.device` in chunks of at most `chunk_bytes` input bytes
-    (a multiple of 8). The same value on every device and for every `chunk_bytes`.
+    docstring), computed on `t.device` in chunks of at most `chunk_bytes` input bytes (a
+    multiple of 8; default per device, CHUNK_BYTES). The same value on every device and
+    for every `chunk_bytes`.
     Not cryptographic: use `sha256_digest` where tampering matters."""
     _check(t, chunk_bytes)
     lanes = fast_lanes(t, chunk_bytes)
@@ -86,17 +91,18 @@ def fast_digest(t: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> str:
     return hashlib.sha256((head + ",".join(f"{x:016x}" for x in lanes)).encode()).hexdigest()
 
 
-def fast_lanes(t: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> list[int]:
+def fast_lanes(t: torch.Tensor, chunk_bytes: int | None = None) -> list[int]:
     """The 4 lane sums of `t` as unsigned 64-bit ints (no dtype/shape: see `fast_digest`)."""
     _check(t, chunk_bytes)
+    if chunk_bytes is None:
+        chunk_bytes = CHUNK_BYTES["cpu" if t.device.type == "cpu" else "cuda"]
     dev = t.device
     consts = torch.tensor([[_s64(c) for c in lane] for lane in LANES], dtype=torch.int64, device=dev)
     a, s, m1, m2 = (consts[:, j : j + 1] for j in range(4))  # each [4, 1]
     acc = torch.zeros(len(LANES), dtype=torch.int64, device=dev)
     for start, words in _word_chunks(_byte_pieces(t.detach(), chunk_bytes)):
         idx = torch.arange(start, start + words.numel(), dtype=torch.int64, device=dev)
-        z = idx * a  # [4, W]
-        z.add_(s).bitwise_xor_(words)
+        z = (idx * a).add_(s).bitwise_xor_(words)  # i * A + S, [4, W]
         for shift, m in zip(SHIFTS, (m1, m2, None), strict=True):
             z.bitwise_xor_(_shr(z, shift))
             if m is not None:
@@ -115,7 +121,7 @@ def _check(t, chunk_bytes: int) -> None:
         raise TypeError(f"fast_digest: expected a tensor, got {type(t).__name__}")
     if t.is_meta or t.layout != torch.strided:
         raise ValueError("fast_digest: the tensor must be a dense tensor with data (not meta, not sparse)")
-    if not isinstance(chunk_bytes, int) or chunk_bytes < 16 or chunk_bytes % 8:
+    if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or chunk_bytes < 16 or chunk_bytes % 8):
         raise ValueError(f"fast_digest: chunk_bytes must be a multiple of 8, >= 16, got {chunk_bytes!r}")
 
 
