@@ -252,3 +252,10 @@ def test_resume_may_change_the_digest_kind_and_old_checkpoints_lack_it():
     saved["lr"] = 1.0  # control: a field that is the run's state is still refused
     with pytest.raises(rl.CheckpointError, match="lr: 1.0 -> 0.03"):
         checkpoint.check_config(saved, rl.RLConfig())
+
+
+def test_the_lane_constants_are_odd_and_distinct():
+    # an even multiplier would not be a bijection mod 2**64: one flipped top bit could vanish
+    flat = [c for lane in LANES for c in lane]
+    assert len(set(flat)) == 16 and all(c < 2**64 for c in flat)
+    assert all(c % 2 for lane in LANES for c in (lane[0], lane[2], lane[3]))

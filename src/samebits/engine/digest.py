@@ -52,13 +52,14 @@ def _s64(x: int) -> int:
     return x - 2**64 if x >= 2**63 else x
 
 
-# per lane: index multiplier A, lane seed S, finalizer multipliers M1, M2 (all odd, all
-# published mixing constants: splitmix64, murmur3 fmix64, xxhash64 primes)
+# per lane: index multiplier A (odd), lane seed S (digits of pi), finalizer multipliers
+# M1, M2 (odd; published mixers: splitmix64, murmur3 fmix64, xxhash64 primes, Stafford's
+# Mix01). Sixteen different constants: the lanes share no multiplier
 LANES = (
     (0x9E3779B97F4A7C15, 0x243F6A8885A308D3, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB),
     (0xC2B2AE3D27D4EB4F, 0x13198A2E03707344, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53),
-    (0x165667B19E3779F9, 0xA4093822299F31D0, 0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F),
-    (0x27D4EB2F165667C5, 0x082EFA98EC4E6C89, 0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5),
+    (0x165667B19E3779F9, 0xA4093822299F31D0, 0x9E3779B185EBCA87, 0x85EBCA77C2B2AE63),
+    (0x27D4EB2F165667C5, 0x082EFA98EC4E6C89, 0x7FB5D329728EA185, 0x81DADEF4BC2DD44D),
 )
 SHIFTS = (30, 27, 31)
 
