@@ -5,6 +5,7 @@ lanes, the chunking does not change it, one flipped bit anywhere always changes 
 from __future__ import annotations
 
 import hashlib
+import warnings
 from dataclasses import asdict
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from samebits import rl
 from samebits.cli import main
+from samebits.engine import digest
 from samebits.engine.digest import (
     DIGEST_KINDS,
     LANES,
@@ -184,6 +186,64 @@ def test_kinds_and_refusals():
         fast_digest([1, 2])
 
 
+# -- the fused (torch.compile) path: the same bits as the eager one ----------------------------
+
+
+def _spy_fused(monkeypatch) -> list[int]:
+    """Count the chunks that go through the compiled path (which must not fall back)."""
+    calls, real = [], digest._fused_mix_sum()
+
+    def spy(*args):
+        calls.append(args[0].numel())
+        return real(*args)
+
+    monkeypatch.setattr(digest, "_fused_mix_sum", lambda: spy)
+    return calls
+
+
+def test_fused_lanes_equal_the_eager_lanes_and_the_reference(monkeypatch):
+    calls = _spy_fused(monkeypatch)
+    x = torch.randn(9_001).bfloat16()  # 4500 words and a padded one
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fused = fast_lanes(x, fused=True)
+        assert fused == fast_lanes(x, fused=False) == _ref_lanes(x)
+        y = torch.randn(700, 300).bfloat16().t()[::2]  # non-contiguous, 52,500 words
+        for chunk in (2**15 + 8, 2**17, 2**20):
+            assert fast_lanes(y, chunk, fused=True) == fast_lanes(y.contiguous(), fused=False)
+    assert not [w for w in seen if "torch.compile failed" in str(w.message)]  # no eager fallback
+    assert calls and min(calls) >= digest.FUSED_MIN_WORDS  # the compiled path ran, on big chunks
+    assert fast_digest(x, fused=True) == fast_digest(x, fused=False)
+
+
+def test_fused_is_the_default_for_large_tensors_only(monkeypatch):
+    calls = _spy_fused(monkeypatch)
+    monkeypatch.setattr(digest, "FUSED_MIN_BYTES", 2**16)
+    small, large = torch.randn(2**14).bfloat16(), torch.randn(2**15).bfloat16()  # 32 and 64 KiB
+    fast_lanes(small)
+    assert calls == []
+    fast_lanes(large)
+    assert calls == [2**13]  # one chunk of 8192 words
+
+
+def test_a_compiler_failure_falls_back_to_the_same_bits_with_a_warning(monkeypatch):
+    def broken(fn, **kw):
+        def run(*args):
+            raise RuntimeError("no compiler here")
+
+        return run
+
+    digest._fused_mix_sum.cache_clear()
+    monkeypatch.setattr(torch, "compile", broken)
+    try:
+        x = torch.randn(2**14).bfloat16()
+        with pytest.warns(UserWarning, match="torch.compile failed"):
+            lanes = fast_lanes(x, fused=True)
+        assert lanes == fast_lanes(x, fused=False)
+    finally:
+        digest._fused_mix_sum.cache_clear()
+
+
 # -- `samebits rl` digests both sides with the configured kind --------------------------------
 
 
@@ -227,6 +287,23 @@ def test_cuda_digest_equals_the_cpu_digest(name):
     t = _tensors()[name]
     assert fast_digest(t.cuda()) == fast_digest(t)
     assert fast_digest(t.cuda(), chunk_bytes=16) == fast_digest(t)
+
+
+@pytest.mark.gpu
+def test_cuda_fused_digest_equals_the_cpu_eager_digest():
+    g = torch.Generator().manual_seed(2)
+    t = torch.randn(64, 1536, 2048, generator=g).bfloat16()  # 384 MiB: fused by default
+    d = t.cuda()
+    want = fast_digest(t, fused=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert fast_digest(d) == want
+        assert fast_digest(d, chunk_bytes=2**20 + 8, fused=True) == want
+        assert fast_digest(d[:, :, 1:], fused=True) == fast_digest(t[:, :, 1:], fused=False)
+    assert not [w for w in seen if "torch.compile failed" in str(w.message)]  # the compiled kernel ran
+    flipped = d.clone()
+    flipped.view(-1).view(torch.int16)[12345] ^= 1 << 15  # control: one sign bit
+    assert fast_digest(flipped) != want
 
 
 @pytest.mark.gpu

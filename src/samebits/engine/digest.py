@@ -26,15 +26,17 @@ of two different words changes a lane unless two 64-bit mixes happen to cancel. 
 digest is sha256 over (dtype, shape, byte count, the 4 lanes): a tensor with the same
 bytes but another dtype or shape gets another digest.
 
-Cost: ~15 elementwise int64 passes per lane over 8 bytes of input, in bounded chunks
-(`CHUNK_BYTES`), one device sync per tensor: memory-bound on a GPU, and on a CPU slower
-than hashlib's sha256 (which has the SHA instructions). See docs/rl.md and
-benchmarks/digest_cost.py.
+Cost. Eager: ~15 elementwise int64 passes over [4, words] temporaries per chunk
+(`CHUNK_BYTES`), one device sync per tensor. Fused (the default for tensors of >= 32 MiB):
+the same arithmetic as one `torch.compile`d reduction that reads each word once, compiled
+once per process and device (seconds). Measured in benchmarks/digest_cost.py; docs/rl.md.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -42,7 +44,10 @@ import torch
 DIGEST_KINDS = ("fast", "sha256")
 # input bytes per chunk; the [4, words] int64 temporaries are 4x this. CUDA: large enough
 # that ~15 launches per chunk hide behind the work; CPU: temporaries that stay in cache
-CHUNK_BYTES = {"cuda": 16 * 2**20, "cpu": 2**20}
+# (fused: no temporaries but the copies of a non-contiguous tensor's rows)
+CHUNK_BYTES = {"cuda": 16 * 2**20, "cpu": 2**20, "fused": 256 * 2**20}
+FUSED_MIN_BYTES = 32 * 2**20  # smaller tensors run eagerly by default: no compile for them
+FUSED_MIN_WORDS = 4096  # and so do smaller chunks: no graph specialised to sizes 0 or 1
 
 MASK64 = 2**64 - 1
 
@@ -80,36 +85,74 @@ def sha256_digest(t: torch.Tensor) -> str:
     return hashlib.sha256(data.numpy().tobytes()).hexdigest()
 
 
-def fast_digest(t: torch.Tensor, chunk_bytes: int | None = None) -> str:
+def fast_digest(t: torch.Tensor, chunk_bytes: int | None = None, fused: bool | None = None) -> str:
     """64 hex chars: the 4-lane wrapping-sum checksum of `t`'s logical contents (module
-    docstring), computed on `t.device` in chunks of at most `chunk_bytes` input bytes (a
-    multiple of 8; default per device, CHUNK_BYTES). The same value on every device and
-    for every `chunk_bytes`.
+    docstring), computed on `t.device`. The same value on every device, for every
+    `chunk_bytes` and either `fused` (see `fast_lanes`).
     Not cryptographic: use `sha256_digest` where tampering matters."""
-    _check(t, chunk_bytes)
-    lanes = fast_lanes(t, chunk_bytes)
+    lanes = fast_lanes(t, chunk_bytes, fused)
     head = f"samebits-fast-v1|{t.dtype}|{tuple(t.shape)}|{t.numel() * t.element_size()}|"
     return hashlib.sha256((head + ",".join(f"{x:016x}" for x in lanes)).encode()).hexdigest()
 
 
-def fast_lanes(t: torch.Tensor, chunk_bytes: int | None = None) -> list[int]:
-    """The 4 lane sums of `t` as unsigned 64-bit ints (no dtype/shape: see `fast_digest`)."""
+def fast_lanes(t: torch.Tensor, chunk_bytes: int | None = None, fused: bool | None = None) -> list[int]:
+    """The 4 lane sums of `t` as unsigned 64-bit ints (no dtype/shape: see `fast_digest`).
+
+    chunk_bytes: input bytes per step (a multiple of 8, >= 16; default CHUNK_BYTES).
+    fused: mix and sum in one `torch.compile`d kernel (one read of the words, no
+    temporaries; compiled once per process and device) instead of ~15 eager passes over
+    [4, words] temporaries. Default: fused for tensors of >= FUSED_MIN_BYTES. Chunks of
+    fewer than FUSED_MIN_WORDS words (a tensor's tail) always run eagerly: a compiled
+    graph is kept for large sizes only. The bits are the same either way (exact integer
+    arithmetic); if compiling fails the eager path runs, with a warning."""
     _check(t, chunk_bytes)
+    nbytes = t.numel() * t.element_size()
+    if fused is None:
+        fused = nbytes >= FUSED_MIN_BYTES
     if chunk_bytes is None:
-        chunk_bytes = CHUNK_BYTES["cpu" if t.device.type == "cpu" else "cuda"]
+        chunk_bytes = CHUNK_BYTES["fused" if fused else "cpu" if t.device.type == "cpu" else "cuda"]
     dev = t.device
     consts = torch.tensor([[_s64(c) for c in lane] for lane in LANES], dtype=torch.int64, device=dev)
-    a, s, m1, m2 = (consts[:, j : j + 1] for j in range(4))  # each [4, 1]
     acc = torch.zeros(len(LANES), dtype=torch.int64, device=dev)
     for start, words in _word_chunks(_byte_pieces(t.detach(), chunk_bytes)):
-        idx = torch.arange(start, start + words.numel(), dtype=torch.int64, device=dev)
-        z = (idx * a).add_(s).bitwise_xor_(words)  # i * A + S, [4, W]
-        for shift, m in zip(SHIFTS, (m1, m2, None), strict=True):
-            z.bitwise_xor_(_shr(z, shift))
-            if m is not None:
-                z.mul_(m)
-        acc.add_(z.sum(dim=1))
+        first = torch.tensor(start, dtype=torch.int64, device=dev)
+        mix = _fused_mix_sum() if fused and words.numel() >= FUSED_MIN_WORDS else _mix_sum
+        acc.add_(mix(words, first, consts))
     return [x & MASK64 for x in acc.tolist()]
+
+
+def _mix_sum(words: torch.Tensor, first: torch.Tensor, consts: torch.Tensor) -> torch.Tensor:
+    """[W] int64 words whose first has global index `first` (0-d) -> [4] lane sums of the
+    mixed words (module docstring); consts: LANES as int64, [4, 4]."""
+    a, s, m1, m2 = (consts[:, j : j + 1] for j in range(4))  # each [4, 1]
+    idx = torch.arange(words.shape[0], dtype=torch.int64, device=words.device).add_(first)
+    z = (idx * a).add_(s).bitwise_xor_(words)  # i * A + S, [4, W]
+    for shift, m in zip(SHIFTS, (m1, m2, None), strict=True):
+        z.bitwise_xor_(_shr(z, shift))
+        if m is not None:
+            z.mul_(m)
+    return z.sum(dim=1)
+
+
+@functools.cache
+def _fused_mix_sum():
+    """`_mix_sum` through torch.compile (sizes dynamic: one graph per device), or
+    `_mix_sum` itself when compiling fails on the first call."""
+    compiled = torch.compile(_mix_sum, dynamic=True, fullgraph=True)
+    state = {"ok": True}
+
+    def run(words, first, consts):
+        if state["ok"]:
+            try:
+                return compiled(words, first, consts)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: the eager path has the same bits
+                state["ok"] = False
+                warnings.warn(
+                    f"fast_digest: torch.compile failed ({e!r:.200}); using the eager path", stacklevel=3
+                )
+        return _mix_sum(words, first, consts)
+
+    return run
 
 
 def _shr(z: torch.Tensor, shift: int) -> torch.Tensor:
