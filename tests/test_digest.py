@@ -336,3 +336,21 @@ def test_the_lane_constants_are_odd_and_distinct():
     flat = [c for lane in LANES for c in lane]
     assert len(set(flat)) == 16 and all(c < 2**64 for c in flat)
     assert all(c % 2 for lane in LANES for c in (lane[0], lane[2], lane[3]))
+
+
+@pytest.mark.gpu
+def test_cuda_rl_digests_both_sides_on_the_device_and_equal_the_cpu_engine(tiny):
+    from samebits import LLM
+
+    loop = RLLoop(rl.RLConfig(model=str(tiny), device="cuda", steps=1))  # digest_kind "fast"
+    row = loop.step()
+    assert row["digest_mismatch_count"] == 0 and row["digests_checked"] == 36
+    assert row["digests_agree"] and rl.passed([row])
+    # the CUDA engine's fast digests of its loaded weights equal the CPU engine's
+    cuda_llm = LLM(str(tiny), device="cuda", max_num_seqs=1, max_model_len=16)
+    cpu_llm = LLM(str(tiny), device="cpu", max_num_seqs=1, max_model_len=16)
+    assert cuda_llm.weight_digests(kind="fast") == cpu_llm.weight_digests(kind="fast")
+    p = dict(loop.model.named_parameters())["model.norm.weight"]
+    with torch.no_grad():  # control: one ulp on the device that the engine was not given
+        p[0] = torch.nextafter(p[0], torch.tensor(10.0, dtype=p.dtype, device=p.device))
+    assert loop.digest_mismatches() == ["model.norm.weight"]
