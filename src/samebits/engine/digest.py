@@ -115,7 +115,7 @@ def fast_lanes(t: torch.Tensor, chunk_bytes: int | None = None, fused: bool | No
     consts = torch.tensor([[_s64(c) for c in lane] for lane in LANES], dtype=torch.int64, device=dev)
     acc = torch.zeros(len(LANES), dtype=torch.int64, device=dev)
     for start, words in _word_chunks(_byte_pieces(t.detach(), chunk_bytes)):
-        first = torch.tensor(start, dtype=torch.int64, device=dev)
+        first = torch.full((), start, dtype=torch.int64, device=dev)  # a fill: no host copy, no sync
         mix = _fused_mix_sum() if fused and words.numel() >= FUSED_MIN_WORDS else _mix_sum
         acc.add_(mix(words, first, consts))
     return [x & MASK64 for x in acc.tolist()]
