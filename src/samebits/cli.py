@@ -219,7 +219,7 @@ def _add_rl(sub) -> None:
         default="fast",
         choices=["fast", "sha256"],
         help="fast: a 256-bit checksum on the weights' device, no host copy, not cryptographic "
-        "(default); sha256: the bytes hashed on the host (~5 s per GB)",
+        "(default); sha256: the bytes hashed on the host (minutes for a 30B model)",
     )
     r.add_argument(
         "--share-weights",

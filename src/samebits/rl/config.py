@@ -69,7 +69,7 @@ class RLConfig:
     recompute_kernels: str = "batch_invariant"
     digest_tensors: tuple[str, ...] | None = None  # None: every parameter
     # "fast": a checksum on the tensors' device (no host copy, not cryptographic);
-    # "sha256": the raw bytes hashed on the host (~5 s/GB on one core)
+    # "sha256": the raw bytes hashed on the host, one core (minutes for a 30B model)
     digest_kind: str = "fast"
     # the engine's parameters are the trainer's tensors (one copy of the model on the device);
     # the sync then has nothing to copy and the digests compare one memory with itself
