@@ -44,7 +44,13 @@ def main() -> None:
     p.add_argument(
         "--digest",
         default=None,
-        help="comma-separated names to sha256 each step (default: every parameter; slow at scale)",
+        help="comma-separated names to digest each step (default: every parameter)",
+    )
+    p.add_argument(
+        "--digest-kind",
+        default="fast",
+        choices=["fast", "sha256"],
+        help="fast: a checksum on the GPU (default); sha256: on the host, slow at scale",
     )
     p.add_argument("--out", default=None, help="write every arm's per-step metrics as JSON")
     args = p.parse_args()
@@ -73,6 +79,7 @@ def main() -> None:
         lr=args.lr,
         freeze=tuple(f for f in args.freeze.split(",") if f),
         digest_tensors=tuple(args.digest.split(",")) if args.digest else None,
+        digest_kind=args.digest_kind,
     )
     results = run_arms(config, arms)  # each arm in a fresh process: both start cold
     print_summary(results)

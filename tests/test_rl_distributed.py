@@ -50,7 +50,7 @@ def _initial_digest(tiny) -> str:
     from samebits import LLM
 
     llm = LLM(str(tiny), device="cpu", dtype="bfloat16", max_num_seqs=1, max_model_len=16)
-    digests = llm.weight_digests()
+    digests = llm.weight_digests(kind="fast")  # the kind `samebits rl` digests by default
     return _digest_of(digests, list(digests))
 
 

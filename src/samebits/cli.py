@@ -139,6 +139,7 @@ def _rl_config(args):
         trainer_attention=args.trainer_attention,
         recompute_kernels=args.recompute_kernels,
         digest_tensors=None if args.digest == "all" else tuple(args.digest.split(",")),
+        digest_kind=args.digest_kind,
         share_weights=args.share_weights,
         out_dir=args.out,
     )
@@ -150,7 +151,7 @@ def _add_rl(sub) -> None:
         help="closed RL loop (GSPO/GRPO) checking bitwise on-policy log-probs every step",
         description="Each step: rollout with the samebits engine, rewards, trainer recompute of the "
         "old log-probs (packed, under batch_invariant()), bitwise comparison, AdamW update(s), "
-        "weight sync into the engine and a sha256 digest check. Exit 0 only when every step has 0 "
+        "weight sync into the engine and a weight digest check. Exit 0 only when every step has 0 "
         "mismatches and equal digests. With no arguments: 10 steps on the built-in tiny model, CPU.",
     )
     r.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in tiny model)")
@@ -214,6 +215,13 @@ def _add_rl(sub) -> None:
     )
     r.add_argument("--digest", default="all", help="'all' or comma-separated parameter names to digest")
     r.add_argument(
+        "--digest-kind",
+        default="fast",
+        choices=["fast", "sha256"],
+        help="fast: a 256-bit checksum on the weights' device, no host copy, not cryptographic "
+        "(default); sha256: the bytes hashed on the host (minutes for a 30B model)",
+    )
+    r.add_argument(
         "--share-weights",
         action="store_true",
         help="the engine runs on the trainer's own parameter tensors: one copy of the model on the device",
@@ -235,7 +243,7 @@ def _add_rl(sub) -> None:
         default="",
         metavar="FIELDS",
         help="comma-separated config fields (e.g. lr,seed) that --resume may change "
-        "(--steps and --out always may)",
+        "(--steps, --out and --digest-kind always may)",
     )
     r.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     r.add_argument(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import random
 import sys
@@ -16,6 +15,7 @@ import torch
 from samebits.engine.block_manager import BlockManager
 from samebits.engine.core import EngineCore, RequestOutput, exclusive
 from samebits.engine.cuda_graphs import graph_sizes
+from samebits.engine.digest import DIGEST_KINDS, tensor_digest
 from samebits.engine.runner import ModelRunner
 from samebits.engine.sampler import SampleRequest
 from samebits.engine.scheduler import Scheduler
@@ -309,9 +309,12 @@ class LLM:
             for name, tensor in staged:
                 self._params[name].copy_(tensor)
 
-    def weight_digests(self, names: Iterable[str] | str | None = None) -> dict[str, str]:
-        """sha256 hex of each named parameter's bytes (all parameters when names is None; a
-        single str is one name)."""
+    def weight_digests(self, names: Iterable[str] | str | None = None, kind: str = "sha256") -> dict[str, str]:
+        """Hex digest of each named parameter (all parameters when names is None; a single str
+        is one name). kind: "sha256" (the raw bytes, on the host) or "fast" (a non-cryptographic
+        checksum computed on the parameter's device, no host copy: `samebits.engine.digest`)."""
+        if kind not in DIGEST_KINDS:
+            raise ValueError(f"weight_digests: kind must be one of {DIGEST_KINDS}, got {kind!r}")
         if names is None:
             names = list(self._params)
         elif isinstance(names, str):
@@ -325,7 +328,7 @@ class LLM:
         for name in names:
             if not isinstance(name, str) or name not in self._params:
                 raise KeyError(f"weight_digests: unknown parameter {name!r}")
-        return {name: tensor_digest(self._params[name]) for name in names}
+        return {name: tensor_digest(self._params[name], kind) for name in names}
 
 
 def _named_pairs(named_tensors) -> list[tuple[str, torch.Tensor]]:
@@ -342,12 +345,6 @@ def _named_pairs(named_tensors) -> list[tuple[str, torch.Tensor]]:
         if not (isinstance(pair, tuple | list) and len(pair) == 2 and isinstance(pair[0], str)):
             raise TypeError(f"update_weights: item {i} is not a (name, tensor) pair: {type(pair).__name__}")
     return [tuple(p) for p in pairs]
-
-
-def tensor_digest(t: torch.Tensor) -> str:
-    """sha256 hex of a tensor's raw bytes (dtype and shape are not hashed)."""
-    data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
 
 
 def _check_device(device: str) -> None:

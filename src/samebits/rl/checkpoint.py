@@ -21,7 +21,8 @@ import torch
 from samebits.rl.config import RLConfig
 
 FORMAT = "samebits-rl-checkpoint/1"
-ALWAYS_ALLOWED = ("steps", "out_dir")  # how many steps to run now and where to log: not the run's state
+# how many steps to run now, where to log, how the weights are checked: not the run's state
+ALWAYS_ALLOWED = ("steps", "out_dir", "digest_kind")
 
 
 class CheckpointError(ValueError):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from samebits.engine.digest import DIGEST_KINDS
+
 ALGORITHMS = ("gspo", "grpo")
 DTYPES = ("bfloat16", "float32")
 EXPERTS = ("samebits", "grouped_mm", "eager")
@@ -66,6 +68,9 @@ class RLConfig:
     trainer_attention: str = "samebits"
     recompute_kernels: str = "batch_invariant"
     digest_tensors: tuple[str, ...] | None = None  # None: every parameter
+    # "fast": a checksum on the tensors' device (no host copy, not cryptographic);
+    # "sha256": the raw bytes hashed on the host, one core (minutes for a 30B model)
+    digest_kind: str = "fast"
     # the engine's parameters are the trainer's tensors (one copy of the model on the device);
     # the sync then has nothing to copy and the digests compare one memory with itself
     share_weights: bool = False
@@ -79,6 +84,7 @@ class RLConfig:
         _one_of("recompute_kernels", self.recompute_kernels, KERNELS)
         _one_of("engine_numerics", self.engine_numerics, ENGINE_NUMERICS)
         _one_of("trainer_attention", self.trainer_attention, ATTENTION)
+        _one_of("digest_kind", self.digest_kind, DIGEST_KINDS)
         for name in ("steps", "num_prompts", "prompt_len", "max_tokens", "mini_batches", "micro_batch_tokens"):
             _int_at_least(name, getattr(self, name), 1)
         _int_at_least("n", self.n, 2)  # a group of one has no spread to normalise by

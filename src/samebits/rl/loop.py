@@ -2,11 +2,11 @@
 
 Engine and trainer are colocated: the engine (`samebits.LLM`) samples, then sleeps (KV
 cache released) while the transformers model recomputes the old log-probs and takes its
-optimizer steps; the new weights stream into the engine and the sha256 digests of both
-sides are compared. With `share_weights` the engine runs on the trainer's own tensors:
-one copy of the model, nothing to stream. A step that raises before the optimizer step
-(a failing reward, a bad rollout) changes nothing: no optimizer step, no sync, the step
-counter stays.
+optimizer steps; the new weights stream into the engine and the digests of both sides
+are compared (`digest_kind`: a checksum on the device by default, or sha256). With
+`share_weights` the engine runs on the trainer's own tensors: one copy of the model,
+nothing to stream. A step that raises before the optimizer step (a failing reward, a
+bad rollout) changes nothing: no optimizer step, no sync, the step counter stays.
 
 One loop for one process and for N torchrun ranks: what differs (local slice,
 micro-batch padding, weight push, combine) is the `parallel` strategy
@@ -164,14 +164,15 @@ class RLLoop:
         """Push the trainer's tensors into the engine (`push`: `names`, default the trainable
         ones; nothing with shared weights), then compare the digests of `digest_names`.
 
-        -> {"bad": names whose engine digest differs from the trainer's, "replica"/"trainer":
-            sha256 over the per-name digests, "time_sync"/"time_digest"}."""
+        -> {"bad": names whose engine digest (`config.digest_kind`) differs from the trainer's,
+            "replica"/"trainer": sha256 over the per-name digests, "time_sync"/"time_digest"}."""
         pushed = [] if not push or self.config.share_weights else names or [n for n, _ in self.trainable]
+        kind = self.config.digest_kind  # both sides compute the same kind
         want, t_sync, t_digest = self.parallel.push_weights(
-            self.llm, self.model, pushed, self.digest_names, self.dtype
+            self.llm, self.model, pushed, self.digest_names, self.dtype, kind=kind
         )
         clock = time.perf_counter()
-        got = self.llm.weight_digests(self.digest_names)
+        got = self.llm.weight_digests(self.digest_names, kind=kind)
         bad = [n for n in self.digest_names if got[n] != want[n]]
         return {
             "bad": bad,
@@ -184,12 +185,13 @@ class RLLoop:
     def sync_weights(self, names: list[str] | None = None) -> None:
         """Stream the trainer's tensors (`names`, default the trainable ones) into the engine."""
         if not self.config.share_weights:
+            names = names or [n for n, _ in self.trainable]
             self.parallel.push_weights(
-                self.llm, self.model, names or [n for n, _ in self.trainable], [], self.dtype
+                self.llm, self.model, names, [], self.dtype, kind=self.config.digest_kind
             )
 
     def digest_mismatches(self) -> list[str]:
-        """Names among `digest_names` whose sha256 differs between trainer and engine."""
+        """Names among `digest_names` whose digest differs between trainer and engine."""
         return self.sync_and_check(push=False)["bad"]
 
     # -- checkpoints ------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from samebits.engine.llm import tensor_digest
+from samebits.engine.digest import tensor_digest
 from samebits.rl.config import RLConfig
 from samebits.rl.train import mean
 
@@ -68,15 +68,17 @@ class Local:
     def pad(self, micro: list[list[int]]) -> list[list[int]]:
         return micro
 
-    def push_weights(self, llm, model, push: list[str], digest: list[str], dtype) -> tuple[dict, float, float]:
-        """Stream `push` into the engine in one call (no staged copy), digest `digest`.
-        -> ({name: trainer sha256}, sync seconds, digest seconds)."""
+    def push_weights(
+        self, llm, model, push: list[str], digest: list[str], dtype, *, kind: str
+    ) -> tuple[dict, float, float]:
+        """Stream `push` into the engine in one call (no staged copy), digest `digest` (digest
+        `kind`, `samebits.engine.digest`). -> ({name: trainer digest}, sync s, digest s)."""
         params = dict(model.named_parameters(remove_duplicate=False))
         clock = time.perf_counter()
         if push:
             llm.update_weights((n, params[n].detach()) for n in push)
         t_sync = time.perf_counter() - clock
-        want = {n: tensor_digest(params[n]) for n in digest}
+        want = {n: tensor_digest(params[n], kind) for n in digest}
         return want, t_sync, time.perf_counter() - clock - t_sync
 
     def combine(self, step: int, local: dict, digests_checked: int) -> dict:
@@ -133,7 +135,9 @@ class DataParallel(Local):
         count = fsdp.all_reduce_max(len(micro), self.device)
         return micro + [[] for _ in range(count - len(micro))]
 
-    def push_weights(self, llm, model, push: list[str], digest: list[str], dtype) -> tuple[dict, float, float]:
+    def push_weights(
+        self, llm, model, push: list[str], digest: list[str], dtype, *, kind: str
+    ) -> tuple[dict, float, float]:
         """Gather one parameter at a time (cast to the rollout dtype, then `full_tensor()`),
         copy it into this replica when pushed, digest it when digested: no rank ever holds
         a second full copy of the model. Collective: every rank walks the same names."""
@@ -152,7 +156,7 @@ class DataParallel(Local):
             t_sync += time.perf_counter() - clock
             clock = time.perf_counter()
             if name in digested:
-                want[name] = tensor_digest(full)
+                want[name] = tensor_digest(full, kind)
             t_digest += time.perf_counter() - clock
             del full
         return want, t_sync, t_digest
