@@ -123,15 +123,18 @@ class Scheduler:
 
     def _schedule_running(self, chunks: list[ScheduledChunk], budget: int) -> tuple[int, bool]:
         """-> (budget left, whether anything was preempted)."""
-        preempted = False
+        preempted, block_size = False, self.blocks.block_size
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted for an earlier sequence
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            placed, evicted = self._make_room(seq, seq.num_computed_tokens + n)
-            preempted |= evicted
+            if seq.num_computed_tokens + n <= len(seq.block_table) * block_size:  # its blocks hold it
+                placed = True  # (most decode steps: a new block is needed every block_size tokens)
+            else:
+                placed, evicted = self._make_room(seq, seq.num_computed_tokens + n)
+                preempted |= evicted
             if placed:
                 chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
                 budget -= n

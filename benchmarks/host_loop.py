@@ -1,0 +1,76 @@
+"""The engine's host loop per decode step, without the device: what `LLM.generate` spends in
+Python around the model (scheduler, block manager, core, outputs, and the CUDA graphs' input
+fill) at a given batch.
+
+    python benchmarks/host_loop.py                    # batches 1, 64, 256 on the tiny model
+    python benchmarks/host_loop.py --batches 256 --context 1024
+
+The model step is replaced by a stub that returns one fixed (token, log-prob) per sampling
+row, after filling the decode graphs' static inputs from the batch as the CUDA runner does
+(`DecodeGraphs._fill`, on host tensors; no graph is captured). So the time per step is the
+host work a GPU step would wait on or overlap with, and nothing else. Prompts of `--context`
+tokens, `--steps` new tokens each; the first call warms up; ms per step is the mean of the
+second call's engine steps in which all `batch` rows decoded (`EngineCore.step`: schedule,
+the stub runner, postprocess, outputs), and the fill's share is printed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from samebits import LLM, SamplingParams
+from samebits.engine.cuda_graphs import DecodeGraphs, graph_sizes
+from samebits.model.tiny import tiny_checkpoint_cache
+
+
+def measure(batch: int, context: int, steps: int) -> tuple[float, float, int]:
+    """-> (ms per full-batch decode step, ms of it in the graph input fill, such steps)."""
+    llm = LLM(tiny_checkpoint_cache(), max_num_seqs=batch, max_model_len=context + steps + 16)
+    pages = -(-(context + steps + 16) // llm.engine.block_size)
+    graphs = DecodeGraphs(llm.runner, graph_sizes(batch), pages, dummy_block=llm.block_manager.num_blocks)
+    acc = {"full": False, "fill": 0.0, "step": 0.0, "n": 0}
+
+    def stub(b, reqs):  # the runner: the graphs' input fill, then one fixed sample per row
+        size = graphs.size_for(b)
+        acc["full"] = size is not None and len(b.chunks) == batch
+        if size is not None:
+            t0 = time.perf_counter()
+            graphs._fill(b, size, reqs)
+            acc["fill"] += time.perf_counter() - t0 if acc["full"] else 0.0
+        return [(5, -1.0)] * len(reqs)
+
+    core_step = llm.core.step
+
+    def step():  # one engine step, counted when all `batch` rows decoded in it
+        t0 = time.perf_counter()
+        out = core_step()
+        if acc["full"]:
+            acc["step"] += time.perf_counter() - t0
+            acc["n"] += 1
+        return out
+
+    llm.runner.run, llm.core.step = stub, step
+    prompts = [[(i * 31 + j) % 250 + 1 for j in range(context)] for i in range(batch)]
+    params = SamplingParams(max_tokens=steps, ignore_eos=True, seed=1, detokenize=False)
+    llm.generate(prompts, params, progress=False)  # warm-up
+    acc.update(fill=0.0, step=0.0, n=0)
+    llm.generate(prompts, params, progress=False)
+    n = max(acc["n"], 1)
+    return 1000 * acc["step"] / n, 1000 * acc["fill"] / n, acc["n"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,64,256")
+    p.add_argument("--context", type=int, default=16, help="prompt tokens (default 16)")
+    p.add_argument("--steps", type=int, default=128, help="new tokens per request (default 128)")
+    args = p.parse_args()
+    print(f"{'batch':>6} {'full steps':>10} {'ms/step':>8} {'fill ms':>8}")
+    for b in (int(x) for x in args.batches.split(",")):
+        ms, fill_ms, n = measure(b, args.context, args.steps)
+        print(f"{b:>6} {n:>10} {ms:>8.3f} {fill_ms:>8.3f}")
+
+
+if __name__ == "__main__":
+    main()
