@@ -1,12 +1,14 @@
 """`samebits bench`'s measurements through `LLM.generate`, run on the tiny model on the CPU:
 the shapes and fields of what they return, the schedule the decode timing relies on, and
-the table / JSON / CSV that carry them. No timing assertions: only that times are positive."""
+the table / JSON / CSV that carry them. No timing assertions: durations are positive, and
+a difference of two times is only checked to be present (it can be <= 0 at these sizes)."""
 
 from __future__ import annotations
 
 import csv
 import io
 import json
+import math
 
 import pytest
 from rich.console import Console
@@ -124,7 +126,10 @@ def test_engine_arm_rows_carry_generate_step_and_floor(llm):
     result = _result(llm)
     assert [(r.arm, r.batch) for r in result.rows] == [("exact", 1), ("exact", 2), ("fast", 1), ("fast", 2)]
     for r in result.rows:
-        assert min(r.step_ms, r.generate_ms, r.prefill_tok_s, r.floor_ms, r.tokens_per_s) > 0
+        assert min(r.step_ms, r.prefill_tok_s, r.floor_ms, r.tokens_per_s) > 0  # durations and rates
+        # generate_ms is a difference of two wall times; at the tiny model's sizes it can come
+        # out at or below 0 (measured: -0.45 ms in CI), so only its presence is checked here
+        assert math.isfinite(r.generate_ms)
         assert r.replay_ms is None  # no CUDA graphs on the CPU
     assert set(result.rollout) == {"exact", "fast"}
     assert result.rollout["fast"]["output_tok_s"] == 3 * 4 / result.rollout["fast"]["seconds"]
@@ -208,7 +213,8 @@ def test_bench_cli_on_cuda_writes_every_measure(tiny, tmp_path, capsys):
         ("fast", 2),
     ]
     for r in data["decode"]:
-        assert min(r["step_ms"], r["generate_ms"], r["replay_ms"], r["prefill_tok_s"]) > 0
+        assert min(r["step_ms"], r["replay_ms"], r["prefill_tok_s"]) > 0
+        assert math.isfinite(r["generate_ms"])  # a difference of two wall times
     assert {a: r["requests"] for a, r in data["rollout"].items()} == {"exact": 3, "fast": 3}
     assert data["rl_step"]["shape"] == "8 x 4 (8 -> 128)" and data["rl_step"]["ratio"] > 0
     assert "rollout through generate" in capsys.readouterr().out
