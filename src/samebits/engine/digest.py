@@ -44,7 +44,7 @@ import torch
 DIGEST_KINDS = ("fast", "sha256")
 # input bytes per chunk; the [4, words] int64 temporaries are 4x this. CUDA: large enough
 # that ~15 launches per chunk hide behind the work; CPU: temporaries that stay in cache
-# (fused: no temporaries but the copies of a non-contiguous tensor's rows)
+# (fused: meant to need none but the copies of a non-contiguous tensor's rows; see fast_lanes)
 CHUNK_BYTES = {"cuda": 16 * 2**20, "cpu": 2**20, "fused": 256 * 2**20}
 FUSED_MIN_BYTES = 32 * 2**20  # smaller tensors run eagerly by default: no compile for them
 FUSED_MIN_WORDS = 4096  # and so do smaller chunks: no graph specialised to sizes 0 or 1
@@ -99,8 +99,9 @@ def fast_lanes(t: torch.Tensor, chunk_bytes: int | None = None, fused: bool | No
     """The 4 lane sums of `t` as unsigned 64-bit ints (no dtype/shape: see `fast_digest`).
 
     chunk_bytes: input bytes per step (a multiple of 8, >= 16; default CHUNK_BYTES).
-    fused: mix and sum in one `torch.compile`d kernel (one read of the words, no
-    temporaries; compiled once per process and device) instead of ~15 eager passes over
+    fused: mix and sum in one `torch.compile`d kernel (meant as one read of the words; on
+    the H200 its peak extra memory equalled the input, not yet explained; compiled once
+    per process and device) instead of ~15 eager passes over
     [4, words] temporaries. Default: fused for tensors of >= FUSED_MIN_BYTES. Chunks of
     fewer than FUSED_MIN_WORDS words (a tensor's tail) always run eagerly: a compiled
     graph is kept for large sizes only. The bits are the same either way (exact integer
