@@ -66,7 +66,7 @@ def test_extra_tokens_past_first_are_full_batch_decode_steps(tiny, monkeypatch, 
 
 def test_measure_generate_fields(llm):
     g = bench_generate.measure_generate(llm, batch=3, context=10, extra=2)
-    assert (g.batch, g.context, g.last - g.first) == (3, 10, 2)
+    assert (g.batch, g.context, g.last - g.first) == (3, 10, max(2, g.first))
     assert g.first == bench_generate.first_decode_tokens(3, 10, llm.engine.resolved_batched_tokens())
     assert min(g.prefill_s, g.first_s, g.last_s) > 0
     assert g.prefill_tok_s == 3 * 10 / g.prefill_s
@@ -105,10 +105,9 @@ def test_engine_limits_fit_every_measurement(tiny):
     assert limits["max_num_seqs"] == 6
     llm = LLM(tiny, device="cpu", **limits)
     budget = llm.engine.resolved_batched_tokens()
-    for b in batches:
-        assert (
-            context + bench_generate.first_decode_tokens(b, context, budget) + extra <= limits["max_model_len"]
-        )
+    for b in batches:  # measure_generate times max(extra, first) decode steps after `first`
+        first = bench_generate.first_decode_tokens(b, context, budget)
+        assert context + first + max(extra, first) <= limits["max_model_len"]
     assert limits["max_model_len"] >= 7 + 9
 
 
@@ -218,3 +217,21 @@ def test_bench_cli_on_cuda_writes_every_measure(tiny, tmp_path, capsys):
     assert {a: r["requests"] for a, r in data["rollout"].items()} == {"exact": 3, "fast": 3}
     assert data["rl_step"]["shape"] == "8 x 4 (8 -> 128)" and data["rl_step"]["ratio"] > 0
     assert "rollout through generate" in capsys.readouterr().out
+
+
+def test_timed_decode_steps_are_raised_to_the_prefill_phase(llm, monkeypatch):
+    # decode_ms is a difference of two calls; the inserted steps are at least the prefill
+    # phase's, so the difference is not a small part of either call
+    asked = []
+
+    def timed(_, prompts, max_tokens, seed=0):  # what was asked, not run
+        asked.append(max_tokens)
+        return 1.0
+
+    monkeypatch.setattr(bench_generate, "timed_generate", timed)
+    monkeypatch.setattr(bench_generate, "first_decode_tokens", lambda *a: 7)
+    g = bench_generate.measure_generate(llm, batch=2, context=4, extra=3)
+    assert asked == [7, 1, 7, 14] and (g.first, g.last) == (7, 14)
+    asked.clear()
+    g = bench_generate.measure_generate(llm, batch=2, context=4, extra=9)
+    assert asked == [7, 1, 7, 16] and (g.first, g.last) == (7, 16)

@@ -420,8 +420,9 @@ def _add_user_flags(b) -> None:
         "--generate-steps",
         type=cli_checks.non_negative_int,
         default=64,
-        help="decode steps timed through generate per point, after the prefill phase "
-        "(default 64; 0 skips decode and prefill through generate)",
+        help="decode steps timed through generate per point, after the prefill phase; raised to the "
+        "prefill phase's step count where that is larger (default 64; 0 skips decode and prefill "
+        "through generate)",
     )
     b.add_argument(
         "--num-prompts",

@@ -103,10 +103,14 @@ def timed_generate(llm, prompts: list[list[int]], max_tokens: int, seed: int = 0
 def measure_generate(llm, batch: int, context: int, extra: int = 64, seed: int = 0) -> GenerateTimes:
     """Prefill tok/s and decode ms per token of `batch` prompts of `context` tokens, all
     through `llm.generate`. A first call (discarded) compiles kernels and captures the CUDA
-    graphs of every batch size the calls pass through; `extra` is the decode steps timed."""
+    graphs of every batch size the calls pass through. The decode steps timed are `extra`,
+    raised to `first` when that is larger: decode_ms is the difference of two wall times,
+    and with the prefill phase longer than the inserted steps (at batch 256 x 1k tokens,
+    148 steps against 32) a few percent of noise between the calls swamped it."""
     if extra < 1:
         raise ValueError(f"extra must be an int >= 1, got {extra!r}")
     first = first_decode_tokens(batch, context, llm.engine.resolved_batched_tokens())
+    extra = max(extra, first)
 
     def call(i: int, max_tokens: int) -> float:  # fresh prompts each call: no cache could reuse a prefill
         prompts = random_prompts(llm.config.vocab_size, batch, context, seed=seed + 1000 * batch + i)
@@ -119,7 +123,8 @@ def measure_generate(llm, batch: int, context: int, extra: int = 64, seed: int =
 
 def generate_max_len(context: int, batches, extra: int, max_num_batched_tokens: int) -> int:
     """The max_model_len `measure_generate` needs at every batch: context + its last max_tokens."""
-    return max(context + first_decode_tokens(b, context, max_num_batched_tokens) + extra for b in batches)
+    firsts = [first_decode_tokens(b, context, max_num_batched_tokens) for b in batches]
+    return max(context + f + max(extra, f) for f in firsts)
 
 
 def measure_rollout(llm, requests: int, prompt_len: int, new_tokens: int, seed: int = 0) -> RolloutTimes:
