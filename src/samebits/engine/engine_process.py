@@ -11,7 +11,9 @@ The child process builds `LLM(**llm_kwargs)` and loops: take the commands that a
 float32 log-probs as Python floats, top-k lists, text, finish reasons) and the counters for
 /metrics. The parent checks every request before it is sent (the same checks as `LLM`),
 keeps each request's cumulative `RequestOutput`, and hands it to the caller's event loop,
-one wake-up per loop per step. A request's tokens and log-probs are the engine core's, so
+one wake-up per loop per step. Two parent threads own the pipe: a writer sends the queued
+commands (so an event loop never waits while the child is inside a step with the pipe
+full), a reader takes the child's updates. A request's tokens and log-probs are the engine core's, so
 they are what `LLM.generate` gives for the same request, bit for bit.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator
@@ -121,12 +124,14 @@ class EngineProcess:
         self._stats: dict = facts["stats"]
         self.tokenizer = load_tokenizer(self.path)
         self.error: BaseException | None = None
-        self._send_lock = threading.Lock()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # commands, sent by the writer thread
         self._lock = threading.Lock()  # guards _requests (event loops add, the reader finishes)
         self._requests: dict[str, _Request] = {}
         self._closed = False
         self._reader = threading.Thread(target=self._read, name="samebits-engine-reader", daemon=True)
         self._reader.start()
+        self._writer = threading.Thread(target=self._write, name="samebits-engine-writer", daemon=True)
+        self._writer.start()
 
     # -- the caller's side ---------------------------------------------------------------
 
@@ -156,7 +161,12 @@ class EngineProcess:
             self._requests[request_id] = req
         finished = False
         try:
-            self._send(("add", request_id, ids, params))
+            try:
+                self._send(("add", request_id, ids, params))
+            except EngineDeadError:
+                with self._lock:
+                    self._requests.pop(request_id, None)
+                raise
             while True:
                 item = await req.queue.get()
                 if isinstance(item, BaseException):
@@ -196,16 +206,25 @@ class EngineProcess:
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(timeout=30)
+        self._outbox.put(None)  # the writer stops (if the close did not already stop it)
+        self._writer.join(timeout=30)
         self._reader.join(timeout=30)
 
     def _send(self, command: tuple) -> None:
+        """Queue a command for the child. Never blocks the caller's event loop: while the
+        child is inside a step the pipe may be full, and only the writer thread waits."""
         if self.error is not None:
             raise EngineDeadError(f"the engine is not running: {self.error}")
-        try:
-            with self._send_lock:
+        self._outbox.put(command)
+
+    def _write(self) -> None:
+        while (command := self._outbox.get()) is not None:
+            try:
                 self._conn.send(command)
-        except (OSError, ValueError) as e:  # the pipe is gone: the child died
-            raise EngineDeadError(f"the engine process is gone: {e!r}") from e
+            except (OSError, ValueError):  # the child is gone: the reader sees EOF and fails every stream
+                return
+            if command[0] == "close":
+                return
 
     # -- the reader thread ---------------------------------------------------------------
 
@@ -266,5 +285,5 @@ class EngineProcess:
 
 
 def _put_all(puts: list) -> None:
-    for queue, item in puts:
-        queue.put_nowait(item)
+    for q, item in puts:
+        q.put_nowait(item)
