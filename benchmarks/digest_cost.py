@@ -23,18 +23,8 @@ from samebits.engine.digest import FUSED_MIN_BYTES, fast_digest, sha256_digest
 
 MODEL_BYTES = 61.06e9  # Qwen3-30B-A3B in bf16, hub layout (48 layers, embed + lm_head)
 
-# one layer of Qwen3-30B-A3B, bf16: (name, shape)
-LAYER = [
-    ("experts.gate_up_proj", (128, 1536, 2048)),
-    ("experts.down_proj", (128, 2048, 768)),
-    ("q_proj", (4096, 2048)),
-    ("k_proj", (512, 2048)),
-    ("v_proj", (512, 2048)),
-    ("o_proj", (2048, 4096)),
-    ("gate", (128, 2048)),
-    ("q_norm", (128,)),
-    ("input_layernorm", (2048,)),
-]
+# one layer of Qwen3-30B-A3B, bf16: (name, shape); the same tensors as the NaN-check benchmark
+from finite_check import LAYER  # noqa: E402 - a sibling script (benchmarks/ is on the path when run)
 
 
 def _tensors(gib: float, device) -> list[tuple[str, torch.Tensor]]:

@@ -10,6 +10,7 @@ sample's `finish_reason` set.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
@@ -20,6 +21,25 @@ from samebits.requests.sampling_params import SamplingParams
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped (closed, or an error inside a step)."""
+
+
+async def outputs(engine, queue: asyncio.Queue, request_id: str) -> AsyncIterator[RequestOutput]:
+    """A request's outputs from its queue until the finished one (an exception put there is
+    raised). Leaving early, e.g. a client that went away, aborts the request, unless the
+    engine is already closed or dead. Shared by AsyncEngine and EngineProcess."""
+    finished = False
+    try:
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            finished = item.finished
+            yield item
+            if finished:
+                return
+    finally:
+        if not finished and engine.error is None and not engine._closed:
+            engine.abort(request_id)
 
 
 class _Stream:
@@ -69,19 +89,9 @@ class AsyncEngine:
         except asyncio.CancelledError:  # gone before the engine took it: abort it once added
             added.add_done_callback(self._abort_added)
             raise
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
+        async with contextlib.aclosing(outputs(self, stream.queue, request_id)) as outs:
+            async for item in outs:
                 yield item
-                if finished:
-                    return
-        finally:
-            if not finished and self.error is None and not self._closed:
-                self.abort(request_id)
 
     def validate(self, i: int, prompt, params: SamplingParams) -> list[int]:
         """The checks `generate` will make, run in the caller's thread (read-only): ValueError

@@ -20,6 +20,7 @@ they are what `LLM.generate` gives for the same request, bit for bit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import queue
 import threading
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from samebits.engine.async_engine import EngineDeadError
+from samebits.engine.async_engine import EngineDeadError, outputs
 from samebits.engine.core import CompletionOutput, RequestOutput
 from samebits.engine.detokenizer import load_tokenizer
 from samebits.engine.validation import check_request, check_text, no_tokenizer
@@ -159,25 +160,15 @@ class EngineProcess:
             if request_id in self._requests:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
             self._requests[request_id] = req
-        finished = False
         try:
-            try:
-                self._send(("add", request_id, ids, params))
-            except EngineDeadError:
-                with self._lock:
-                    self._requests.pop(request_id, None)
-                raise
-            while True:
-                item = await req.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
+            self._send(("add", request_id, ids, params))
+        except EngineDeadError:
+            with self._lock:
+                self._requests.pop(request_id, None)
+            raise
+        async with contextlib.aclosing(outputs(self, req.queue, request_id)) as outs:
+            async for item in outs:
                 yield item
-                if finished:
-                    return
-        finally:
-            if not finished and self.error is None and not self._closed:
-                self.abort(request_id)
 
     def abort(self, request_id: str, group: bool = False) -> None:
         """Abort a request (no-op for unknown or finished ones); its stream ends with "abort".
