@@ -113,6 +113,26 @@ def test_verify_probe_on_cuda(tmp_path, monkeypatch):
     assert verify.passed(results)
 
 
+def test_reported_logprobs_equal_the_trainer_line_on_cuda_per_row():
+    """Per-row temperatures in one batch = `torch.log_softmax(logits.float() / T, dim=-1)` row by
+    row, T a Python float (a multiply by float32 1/T on CUDA). Control: dividing by the float32
+    temperatures, the rule the CPU line follows, differs on CUDA."""
+    from samebits import batch_invariant
+    from samebits.numerics.ops import reported_logprobs
+
+    temps = [0.7, 1.0, 1.3, 0.0] * 2
+    logits = (torch.randn(8, 151936, device="cuda", generator=_g(5)) * 4).bfloat16()
+    with batch_invariant():
+        got = reported_logprobs(logits, temps)
+        want = torch.cat(
+            [torch.log_softmax(logits[i : i + 1].float() / (t or 1.0), dim=-1) for i, t in enumerate(temps)]
+        )
+        t32 = torch.tensor([t or 1.0 for t in temps], device="cuda")
+        divided = torch.log_softmax(logits.float() / t32[:, None], dim=-1)
+    assert torch.equal(got, want)
+    assert not torch.equal(divided[0], want[0]) and not torch.equal(divided[2], want[2])
+
+
 @pytest.mark.parametrize("temperature", [0.7, 1.3])
 def test_rollout_equals_trainer_on_cuda_at_temperature(tmp_path, temperature):
     """On CUDA `x / python_float` multiplies by the reciprocal; both sides must share one op."""

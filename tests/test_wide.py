@@ -179,3 +179,31 @@ def test_wide_control_trainer_without_batch_invariant_packing_changes_bits(wide,
     model = trainer.load_hf_model(wide, dtype=torch.bfloat16, experts_implementation=experts)
     packed, single = _recompute(model, batched, True), _recompute(model, batched, False)
     assert any(not torch.equal(a, b) for a, b in zip(packed, single, strict=True))
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_wide_engine_equals_the_trainer_line_at_temperature(wide, weights, temperature):
+    """Engine log-probs at T = `temperature` = `torch.log_softmax(logits.float() / T, dim=-1)`
+    on the transformers model's packed logits, T a Python float, under batch_invariant().
+    Control: the same line with 1 / float32(T) multiplied in (CUDA's rounding) differs."""
+    prompts, _ = _requests()
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS, ignore_eos=True, seed=i)
+        for i in range(4)
+    ]
+    outs = _engine(wide, weights).generate(prompts, params)
+    model = trainer.load_hf_model(wide, dtype=torch.bfloat16)
+    ids = torch.tensor([t for o in outs for t in o.prompt_token_ids + o.token_ids])
+    pos = torch.cat([torch.arange(len(o.prompt_token_ids) + len(o.token_ids)) for o in outs])
+    with batch_invariant(), torch.no_grad():
+        logits = model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0]
+        line = torch.log_softmax(logits.float() / temperature, dim=-1)
+        recip = torch.log_softmax(logits.float() * (1 / torch.tensor(temperature)), dim=-1)
+    start, differs = 0, 0
+    for o in outs:
+        p, n = len(o.prompt_token_ids), len(o.prompt_token_ids) + len(o.token_ids)
+        rows, targets = slice(start + p - 1, start + n - 1), ids[start + p : start + n, None]
+        assert torch.equal(line[rows].gather(-1, targets)[:, 0], o.logprobs)
+        differs += int(not torch.equal(recip[rows].gather(-1, targets)[:, 0], o.logprobs))
+        start += n
+    assert differs > 0, "the control could not see 1 / T's rounding"

@@ -1,6 +1,7 @@
 """Sampling and the reported log-prob.
 
-The reported log-prob is `log_softmax(logits.float() / T)` of the unmodified
+The reported log-prob is the trainer's line `torch.log_softmax(logits.float() / T, dim=-1)`
+(T a Python float; `numerics.ops.reported_logprobs`, docs/design.md) of the unmodified
 distribution at the sampled token (T = 1 for greedy). What is sampled may be
 narrowed by top-k, top-p and min_tokens; that changes the choice only.
 Randomness is a pure function of (request seed, output index, token id),

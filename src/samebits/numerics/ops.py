@@ -178,15 +178,25 @@ def _(hidden_states, visual_pos_mask, visual_embeds):
 def reported_logprobs(logits: torch.Tensor, temperatures: list[float] | torch.Tensor) -> torch.Tensor:
     """logits [N, V] -> float32 log-probs [N, V], each row at its temperature (0 -> 1).
 
-    The one place this is computed, for the engine and the trainer alike: division by
-    a float32 tensor (on CUDA, division by a Python scalar is a multiply by its reciprocal,
-    which rounds differently). `temperatures` may already be that float32 tensor [N].
+    The reported log-prob is, bit for bit, the line trainers write with `T` a Python float:
+
+        torch.log_softmax(logits.float() / T, dim=-1)
+
+    (inside `batch_invariant()` for the trainer's side, as the engine runs). That line
+    divides by float32(T) on the CPU, but on CUDA aten turns a division by a Python scalar
+    into a multiplication by the float32 reciprocal `1 / float32(T)` (BinaryDivTrueKernel.cu),
+    which rounds differently. Here every row has its own temperature, so each device's rule
+    is applied per row: the CPU divides by the float32 temperatures, CUDA multiplies by their
+    float32 reciprocals (an IEEE division, so the same bits as aten's host-side `1 / b`).
+    `temperatures` may already be a float32 tensor [N]; T = 1 (greedy) is the identity.
     """
     if isinstance(temperatures, torch.Tensor):
         temps = temperatures.float()
     else:
         temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=torch.float32)
-    return torch.log_softmax(logits.float() / temps.to(logits.device)[:, None], dim=-1)
+    temps = temps.to(logits.device)[:, None]
+    scaled = logits.float() * torch.reciprocal(temps) if logits.is_cuda else logits.float() / temps
+    return torch.log_softmax(scaled, dim=-1)
 
 
 @torch.library.custom_op("samebits::experts", mutates_args=())

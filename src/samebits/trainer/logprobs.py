@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from samebits.model.families import family_for
-from samebits.numerics.ops import reported_logprobs, rotary_inv_freq
+from samebits.numerics.ops import rotary_inv_freq
 from samebits.trainer.checks import from_pretrained_checked
 
 
@@ -79,8 +79,10 @@ def token_logprobs(
     sequences[i] is prompt + response; its first prompt_lens[i] tokens are the
     prompt. packed=False runs one forward per sequence; packed=True runs all of
     them in one forward of shape [1, sum(len)] with positions restarting at 0
-    per sequence. Log-probs are `log_softmax(logits.float() / temperature)` at
-    the next token (temperature 0 means 1, as for greedy rollouts).
+    per sequence. Log-probs are `torch.log_softmax(logits.float() / T, dim=-1)` at the
+    next token, T the Python float `temperature` (0 means 1, as for greedy rollouts): the
+    line trainers write, which the engine's reported log-prob equals bit for bit
+    (`samebits.numerics.ops.reported_logprobs`).
 
     For the Qwen3-Omni thinker (`trainer.load_hf_thinker`), multimodal[i] is sequence i's
     prompt as given to `LLM.generate` (a MultimodalPrompt or processor dict; None: text only).
@@ -109,7 +111,7 @@ def token_logprobs(
                 n, p = len(sequences[i]), prompt_lens[i]
                 rows = logits[offset + p - 1 : offset + n - 1]  # [n - p, V]
                 targets = ids[offset + p : offset + n]
-                lp = reported_logprobs(rows, [temp] * rows.shape[0])  # the engine's own op
+                lp = torch.log_softmax(rows.float() / temp, dim=-1)  # the trainer's line; see reported_logprobs
                 out[i] = lp.gather(-1, targets[:, None])[:, 0]
                 offset += n
     return out  # type: ignore[return-value]
