@@ -26,6 +26,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tokens", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--dir", default="/dev/shm/samebits-probe")
     p.add_argument("--out", default=None)
     p.add_argument("--reuse", action="store_true", help="use the checkpoint already in --dir")
@@ -45,7 +46,9 @@ def main() -> None:
     path = Path(args.dir) if reuse else write_random_checkpoint(Path(args.dir), args.layers, args.seed)
     print(f"checkpoint: {args.layers} layers at {path} in {time.time() - t0:.0f} s", flush=True)
     t0 = time.time()
-    results = verify.run(model=path, device="cuda", tokens=args.tokens, seed=args.seed)
+    results = verify.run(
+        model=path, device="cuda", tokens=args.tokens, seed=args.seed, temperature=args.temperature
+    )
     print(f"probe: {time.time() - t0:.0f} s", flush=True)
     verify.print_table(results)
     print("PASS" if verify.passed(results) else "FAIL")

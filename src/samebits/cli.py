@@ -22,6 +22,7 @@ def _verify(args) -> int:
             tokens=args.tokens,
             seed=args.seed,
             prompt_lens=args.prompt_lens,
+            temperature=args.temperature,
         )
     except (ValueError, FileNotFoundError) as e:  # a refused checkpoint or setting, before any rollout
         refuse("samebits verify", str(e))
@@ -286,6 +287,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument(
         "--seed", type=cli_checks.seed, default=0, help="seed for the tiny model, prompts and sampling"
+    )
+    v.add_argument(
+        "--temperature",
+        type=cli_checks.temperature,
+        default=1.0,
+        help="sampling temperature; the trainer recomputes log_softmax(logits.float() / T) "
+        "(0: greedy, log-probs at T = 1; other than 0 and 1 adds a 1/T-rounding control) (default 1.0)",
     )
     v.add_argument(
         "--prompt-lens",

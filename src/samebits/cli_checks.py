@@ -50,6 +50,17 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def temperature(text: str) -> float:
+    """A finite float, 0 (greedy) or >= 1e-6, as SamplingParams accepts."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value == 0 or 1e-6 <= value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be 0 (greedy) or a finite number >= 1e-6, got {text!r}")
+    return value
+
+
 def seed(text: str) -> int:
     """An int in [0, 2**32): sampling seeds derived from it stay within [0, 2**63)."""
     try:

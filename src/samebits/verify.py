@@ -58,13 +58,30 @@ def make_prompts(prompt_lens, vocab_size: int, seed: int) -> list[list[int]]:
     return [torch.randint(2, vocab_size, (n,), generator=g).tolist() for n in prompt_lens]
 
 
-def _trainer_logprobs(path, device, dtype, seqs, prompt_lens, packed, invariant=True, **impl):
+def other_device_rounding(temperature: float):
+    """The trainer's line with `/ T` rounded as the *other* device rounds it: on CUDA a division
+    by float32(T), on the CPU a multiplication by float32(1 / T). A control for the temperature
+    claim: it differs from the line only in how 1 / T is rounded."""
+    t = torch.tensor(temperature, dtype=torch.float32)
+
+    def logprob_fn(rows: torch.Tensor) -> torch.Tensor:
+        x = rows.float()
+        scaled = x / t.to(x.device) if x.is_cuda else x * torch.reciprocal(t).to(x.device)
+        return torch.log_softmax(scaled, dim=-1)
+
+    return logprob_fn
+
+
+def _trainer_logprobs(path, device, dtype, seqs, prompt_lens, packed, temperature, invariant=True, **impl):
     from samebits import trainer
 
+    fn = impl.pop("logprob_fn", None)
     model = trainer.load_hf_model(path, device=device, dtype=dtype, **impl)
     try:
         with batch_invariant() if invariant else contextlib.nullcontext():
-            lps = trainer.token_logprobs(model, seqs, prompt_lens, packed=packed, temperature=1.0)
+            lps = trainer.token_logprobs(
+                model, seqs, prompt_lens, packed=packed, temperature=temperature, logprob_fn=fn
+            )
         return [lp.cpu() for lp in lps]
     finally:
         del model
@@ -85,8 +102,11 @@ def run(
     seed: int = 0,
     prompt_lens=DEFAULT_PROMPT_LENS,
     log=print,
+    temperature: float = 1.0,
 ) -> list[ArmResult]:
-    """Run the probe matrix; returns one ArmResult per (arm, sequence)."""
+    """Run the probe matrix at one sampling temperature; returns one ArmResult per (arm,
+    sequence). At a temperature other than 0 and 1, one more control: the trainer's line with
+    1 / T rounded as the other device rounds it (`other_device_rounding`)."""
     if model is None:
         from samebits.model.tiny import tiny_checkpoint_cache
 
@@ -96,7 +116,9 @@ def run(
     llm = LLM(model, device=device, dtype=dtype, max_num_seqs=8, max_model_len=max_len)
     prompts = make_prompts(prompt_lens, llm.config.vocab_size, seed)
     params = [
-        SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=tokens, ignore_eos=True, seed=seed + i)
+        SamplingParams(
+            temperature=temperature, top_p=1.0, top_k=-1, max_tokens=tokens, ignore_eos=True, seed=seed + i
+        )
         for i in range(len(prompts))
     ]
     log(f"rollout: seq0 alone, then {len(prompts)} concurrent requests, {tokens} tokens each")
@@ -128,9 +150,12 @@ def run(
         else ("NEG stock kernels, packed", False, True, {"invariant": False}),
         ("NEG sdpa attention, packed", False, True, {"attn_implementation": "sdpa"}),
     ]
+    if temperature not in (0.0, 1.0):
+        fn = other_device_rounding(temperature)
+        arms.append(("NEG 1/T as other device, packed", False, True, {"logprob_fn": fn}))
     for name, exact, packed, impl in arms:
         log(f"trainer: {name}")
-        lps = _trainer_logprobs(model, device, torch_dtype, seqs, plens, packed, **impl)
+        lps = _trainer_logprobs(model, device, torch_dtype, seqs, plens, packed, temperature, **impl)
         results += [compare(name, i, exact, lps[i], rollout[i]) for i in range(len(seqs))]
     return results
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -73,6 +73,7 @@ def token_logprobs(
     temperature: float = 1.0,
     with_grad: bool = False,
     multimodal: Sequence | None = None,
+    logprob_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Teacher-forced log-prob of every response token, one float32 tensor per sequence.
 
@@ -86,6 +87,9 @@ def token_logprobs(
 
     For the Qwen3-Omni thinker (`trainer.load_hf_thinker`), multimodal[i] is sequence i's
     prompt as given to `LLM.generate` (a MultimodalPrompt or processor dict; None: text only).
+
+    `logprob_fn` replaces the line (logits rows [n, V] -> log-probs [n, V]); for controls and
+    for checking another formula against the engine (docs/design.md lists which are exact).
     """
     if len(sequences) != len(prompt_lens):
         raise ValueError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt_lens")
@@ -111,7 +115,10 @@ def token_logprobs(
                 n, p = len(sequences[i]), prompt_lens[i]
                 rows = logits[offset + p - 1 : offset + n - 1]  # [n - p, V]
                 targets = ids[offset + p : offset + n]
-                lp = torch.log_softmax(rows.float() / temp, dim=-1)  # the trainer's line; see reported_logprobs
+                if logprob_fn is None:
+                    lp = torch.log_softmax(rows.float() / temp, dim=-1)  # the trainer's line: reported_logprobs
+                else:
+                    lp = logprob_fn(rows)
                 out[i] = lp.gather(-1, targets[:, None])[:, 0]
                 offset += n
     return out  # type: ignore[return-value]
