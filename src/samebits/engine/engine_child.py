@@ -4,12 +4,34 @@ Messages to the parent: ("ready", facts) or ("failed", (exception type, message)
 then ("step", updates, stats) after every step or abort that touched requests, where an
 update is (request id, per-sample parts, sample 0's preemptions, None) or (request id,
 None, 0, message) when a step failed; ("rejected", request id, message) for an add the
-core refused; ("closed",) or ("died", message) last.
+core refused; ("result", call id, ok, value or (error type, message)) for a call;
+("closed",) or ("died", message) last.
+
+Calls (`EngineProcess.call`) are the weight and memory operations of `weights.receiver`
+and `LLM`. Those in `WAIT_IDLE` change what a step computes, so they run only when no
+request is in flight: requests already running finish on the old weights, requests that
+arrive meanwhile are held and start after the call (SGLang's order); with
+`abort_all_requests` the running ones are aborted instead (finish reason "abort").
+Their checks that need no data run at once (`PRECHECK`), so a bad update answers at once.
 """
 
 from __future__ import annotations
 
 import traceback
+from collections import deque
+
+from samebits.weights.receiver import WeightReceiver
+
+IMMEDIATE = ("init_weights_update_group", "destroy_weights_update_group", "weight_digests", "weight_specs")
+WAIT_IDLE = (
+    "update_weights_from_distributed",
+    "update_weights_from_tensor",
+    "update_weights_from_disk",
+    "release_memory_occupation",
+    "resume_memory_occupation",
+    "flush_cache",
+)
+PRECHECK = {"update_weights_from_distributed": "check_distributed"}
 
 
 def main(conn, llm_kwargs: dict) -> None:
@@ -57,28 +79,36 @@ class _Loop:
     def __init__(self, conn, llm):
         self.conn, self.llm, self.core = conn, llm, llm.core
         self.sent: dict[str, list[int]] = {}  # request id -> tokens already sent, per sample
+        self.receiver = WeightReceiver(llm)
+        self.calls: deque[tuple] = deque()  # WAIT_IDLE calls waiting for the engine to drain
+        self.held: list[tuple] = []  # adds that arrived behind them
 
     def run(self) -> None:
         with self.llm.runner.profile.context():
             while True:
                 touched: list[str] = []
-                busy = self.core.has_unfinished()
-                while not busy or self.conn.poll(0):  # block for a command only when idle
-                    command = self.conn.recv()
+                while True:
+                    touched += self._run_calls_if_idle()
+                    busy = self.core.has_unfinished()
+                    if (busy and not self.conn.poll(0)) or (not busy and touched):
+                        break
+                    command = self.conn.recv()  # blocks only when idle
                     if command[0] == "close":
                         self.core.abort_all()
                         self.conn.send(("closed",))
                         return
                     touched += self._handle(command)
-                    busy = self.core.has_unfinished()
-                    if not busy and touched:
-                        break
                 if busy:
                     touched += self._step()
                 if touched:
                     self._publish(touched)
 
     def _handle(self, command: tuple) -> list[str]:
+        if command[0] == "call":
+            return self._call(*command[1:])
+        if command[0] == "add" and self.calls:  # after the pending weight change
+            self.held.append(command)
+            return []
         if command[0] == "abort":
             _, rid, group = command
             hits = [r for r in self.sent if rid is None or r == rid or (group and r.startswith(f"{rid}-"))]
@@ -91,6 +121,53 @@ class _Loop:
             return []
         self.sent[request_id] = [0] * params.n
         return []
+
+    def _call(self, call_id: int, method: str, kwargs: dict) -> list[str]:
+        if method not in IMMEDIATE + WAIT_IDLE:
+            self._reply(call_id, False, ("ValueError", f"unknown engine call {method!r}"))
+            return []
+        if method in IMMEDIATE:
+            self._run_call(call_id, method, kwargs)
+            return []
+        if method in PRECHECK:
+            try:
+                getattr(self.receiver, PRECHECK[method])(**kwargs)
+            except Exception as e:  # noqa: BLE001 - refused before waiting on anything
+                self._reply(call_id, False, (type(e).__name__, _message(e)))
+                return []
+        in_flight = len(self.sent)
+        self.calls.append((call_id, method, kwargs | {"_waited": in_flight}))
+        if kwargs.get("abort_all_requests"):
+            return [r for r in list(self.sent) if self.core.abort(r)]
+        return []
+
+    def _run_calls_if_idle(self) -> list[str]:
+        """Run the pending WAIT_IDLE calls once nothing is in flight, then the held adds."""
+        if not self.calls or self.core.has_unfinished():
+            return []
+        while self.calls:
+            self._run_call(*self.calls.popleft())
+        held, self.held = self.held, []
+        for command in held:
+            self._handle(command)
+        return []
+
+    def _run_call(self, call_id: int, method: str, kwargs: dict) -> None:
+        waited = kwargs.pop("_waited", 0)
+        aborted = kwargs.pop("abort_all_requests", False)
+        target = self.receiver if hasattr(self.receiver, method) else self.llm
+        try:
+            value = getattr(target, method)(**kwargs)
+        except Exception as e:  # noqa: BLE001 - the caller gets it; the engine goes on
+            self._reply(call_id, False, (type(e).__name__, _message(e)))
+            return
+        if waited and isinstance(value, str | None):  # say what happened to the requests in flight
+            how = "were aborted" if aborted else "finished on the old weights first"
+            value = f"{value or 'done'} ({waited} requests in flight {how})"
+        self._reply(call_id, True, value)
+
+    def _reply(self, call_id: int, ok: bool, value) -> None:
+        self.conn.send(("result", call_id, ok, value))
 
     def _step(self) -> list[str]:
         try:
@@ -112,3 +189,8 @@ class _Loop:
                 self.core.pop(request_id)
                 del self.sent[request_id]
         self.conn.send(("step", updates, stats(self.llm)))
+
+
+def _message(e: BaseException) -> str:
+    """A KeyError's message without the repr quotes around it."""
+    return e.args[0] if isinstance(e, KeyError) and e.args and isinstance(e.args[0], str) else str(e)

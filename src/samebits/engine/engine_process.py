@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import multiprocessing
 import queue
 import threading
@@ -41,6 +42,9 @@ _ERRORS = {
     "OSError": OSError,
     "FileNotFoundError": FileNotFoundError,
     "TypeError": TypeError,
+    "KeyError": KeyError,
+    "ConnectionError": ConnectionError,
+    "RuntimeError": RuntimeError,
 }
 START_TIMEOUT = 1800  # seconds for the child to load the model (a 60 GB checkpoint, graphs)
 
@@ -128,6 +132,8 @@ class EngineProcess:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # commands, sent by the writer thread
         self._lock = threading.Lock()  # guards _requests (event loops add, the reader finishes)
         self._requests: dict[str, _Request] = {}
+        self._calls: dict[int, tuple] = {}  # call id -> (event loop, future), guarded by _lock
+        self._call_ids = itertools.count()
         self._closed = False
         self._reader = threading.Thread(target=self._read, name="samebits-engine-reader", daemon=True)
         self._reader.start()
@@ -178,6 +184,23 @@ class EngineProcess:
     def abort_all(self) -> None:
         self._send(("abort", None, True))
 
+    async def call(self, method: str, **kwargs):
+        """Run an engine operation in the child (`engine_child.IMMEDIATE` / `WAIT_IDLE`: weight
+        sync, digests, memory release) and return its value; raises what it raised (ValueError,
+        KeyError, ConnectionError, RuntimeError) with the child's message."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        call_id = next(self._call_ids)
+        with self._lock:
+            self._calls[call_id] = (loop, future)
+        try:
+            self._send(("call", call_id, method, kwargs))
+        except EngineDeadError:
+            with self._lock:
+                self._calls.pop(call_id, None)
+            raise
+        return await future
+
     def num_in_flight(self) -> int:
         return len(self._requests)
 
@@ -225,6 +248,8 @@ class EngineProcess:
                 kind, *payload = self._conn.recv()
                 if kind == "step":
                     self._deliver(*payload)
+                elif kind == "result":
+                    self._resolve(*payload)
                 elif kind == "rejected":  # the child refused an add (e.g. larger than the cache)
                     self._fail(payload[0], ValueError(payload[1]))
                 elif kind == "closed":
@@ -237,7 +262,18 @@ class EngineProcess:
             self.error = EngineDeadError(f"the engine process exited ({self._proc.exitcode}): {e!r}")
         with self._lock:
             requests, self._requests = list(self._requests.values()), {}
+            calls, self._calls = list(self._calls.values()), {}
         self._wake([(r, self.error) for r in requests])
+        for loop, future in calls:
+            _settle(loop, future, False, self.error)
+
+    def _resolve(self, call_id: int, ok: bool, value) -> None:
+        with self._lock:
+            loop, future = self._calls.pop(call_id)
+        if not ok:
+            name, message = value
+            value = _ERRORS.get(name, RuntimeError)(message)
+        _settle(loop, future, ok, value)
 
     def _deliver(self, updates: list[tuple], stats: dict) -> None:
         self._stats = stats
@@ -278,3 +314,16 @@ class EngineProcess:
 def _put_all(puts: list) -> None:
     for q, item in puts:
         q.put_nowait(item)
+
+
+def _settle(loop, future, ok: bool, value) -> None:
+    """Resolve `future` on its own event loop (from the reader thread)."""
+
+    def settle() -> None:
+        if not future.done():
+            future.set_result(value) if ok else future.set_exception(value)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # that event loop is closed: nobody is waiting
+        pass

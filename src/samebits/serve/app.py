@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from samebits.engine.async_engine import AsyncEngine, EngineDeadError
 from samebits.engine.engine_process import EngineProcess
-from samebits.serve import formats, handlers
+from samebits.serve import formats, handlers, weights_api
 from samebits.serve.errors import ApiError, error_response, param_of
 from samebits.serve.metrics import make_registry, render
 from samebits.serve.protocol import AbortRequest, UnsupportedField
@@ -112,4 +112,6 @@ def build_app(engine: AsyncEngine | EngineProcess, model_name: str) -> FastAPI:
         return {}
 
     handlers.register(app, svc)
+    if hasattr(engine, "call"):  # the engine process: weight sync and memory (SGLang's endpoints)
+        weights_api.register(app, engine)
     return app

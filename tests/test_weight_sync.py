@@ -1,0 +1,272 @@
+"""Weights from another process into `samebits serve`, over loopback (SGLang's protocol).
+
+The trainer here is the test process (or a child process where it must die halfway): a
+transformers model with fp32 master weights, one AdamW step under `batch_invariant()`, all
+parameters pushed through the weight-update group (gloo) as bf16. Claims:
+- the server's digests equal the trainer's, tensor by tensor;
+- new completions at T = 0.7, 1.0, 1.3 are `torch.equal` to the trainer's own line,
+  `torch.log_softmax(logits.float() / T, dim=-1)`, on the pushed weights;
+  control: the same completions from before the push do not match the new weights;
+- a bad update (unknown name, wrong shape or dtype, NaN, a trainer that dies halfway) is
+  refused naming the tensor, and the old weights keep serving, bitwise;
+- requests in flight finish on the old weights.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from serve_server import Server
+
+from samebits import batch_invariant, trainer
+from samebits.client import Client, WeightSyncError
+
+TEMPS = (0.7, 1.0, 1.3)
+PROMPT = [5, 9, 11, 3, 7, 2, 8]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    srv = Server(tiny, "--max-num-seqs", "4", "--max-model-len", "256")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    c = Client(server.url, timeout=120)
+    c.init_weights_update_group("127.0.0.1", _free_port(), backend="gloo")
+    yield c
+    for name in list(c.groups):
+        c.destroy_weights_update_group(name)
+
+
+def _completions(client: Client, max_tokens: int = 10) -> list[tuple[list[int], torch.Tensor]]:
+    outs = []
+    for i, t in enumerate(TEMPS):
+        sp = {"temperature": t, "max_new_tokens": max_tokens, "ignore_eos": True, "sampling_seed": 11 + i}
+        meta = client.generate(PROMPT, sp)
+        lps = torch.tensor([x[0] for x in meta["meta_info"]["output_token_logprobs"]], dtype=torch.float32)
+        outs.append((meta["output_ids"], lps))
+    return outs
+
+
+def _trainer_line(model, completions) -> list[torch.Tensor]:
+    """What the trainer computes for each completion: its own one line, no samebits helper."""
+    out = []
+    for (ids, _), t in zip(completions, TEMPS, strict=True):
+        seq = torch.tensor(PROMPT + ids)
+        with batch_invariant(), torch.no_grad():
+            logits = model(input_ids=seq[None], use_cache=False).logits[0]
+            lp = torch.log_softmax(logits[len(PROMPT) - 1 : -1].float() / t, dim=-1)
+        out.append(lp.gather(-1, seq[len(PROMPT) :, None])[:, 0])
+    return out
+
+
+def _trained(tiny) -> torch.nn.Module:
+    """fp32 master weights after one AdamW step on a packed next-token loss."""
+    model = trainer.load_hf_model(tiny, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.tensor([PROMPT + [4, 6, 10, 12]])
+    with batch_invariant():
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    opt.step()
+    return model.eval()
+
+
+def _bf16_twin(tiny, master) -> torch.nn.Module:
+    """The trainer's bf16 copy of its master weights (what it recomputes log-probs with)."""
+    model = trainer.load_hf_model(tiny, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(dict(master.named_parameters())[name].to(torch.bfloat16))
+    return model
+
+
+def test_push_all_parameters_then_completions_equal_the_trainer_line(tiny, client):
+    before = _completions(client)
+    master = _trained(tiny)
+    old = client.weight_digests()
+    assert old != client.local_digests(master.named_parameters())  # the step changed every tensor
+    msgs = client.update_weights_from_distributed(master.named_parameters())
+    assert len(msgs) == 1 and "updated" in msgs[0]
+    assert client.weight_digests() == client.local_digests(master.named_parameters())
+    after = _completions(client)
+    twin = _bf16_twin(tiny, master)
+    for (_, lps), want in zip(after, _trainer_line(twin, after), strict=True):
+        assert torch.equal(lps, want)
+    # control: the completions from before the push do not fit the new weights
+    stale = _trainer_line(twin, before)
+    assert any(not torch.equal(lps, want) for (_, lps), want in zip(before, stale, strict=True))
+
+
+def test_bucketed_push_and_ipc_push_give_the_same_digests(tiny, client):
+    master = _trained(tiny)
+    with torch.no_grad():
+        for p in master.parameters():
+            p.mul_(0.5)
+    msgs = client.update_weights_from_distributed(master.named_parameters(), bucket_bytes=4096)
+    assert len(msgs) > 3
+    want = client.local_digests(master.named_parameters())
+    assert client.weight_digests() == want
+    with torch.no_grad():
+        for p in master.parameters():
+            p.mul_(2.0)
+    assert "updated" in client.update_weights_from_tensor(master.named_parameters())
+    assert client.weight_digests() == client.local_digests(master.named_parameters()) != want
+
+
+@pytest.mark.parametrize(
+    "bad, expect",
+    [
+        (lambda n, d, s: ([n[0] + ".nope"], d[:1], s[:1]), "unknown parameter"),
+        (lambda n, d, s: (n[:1], d[:1], [[s[0][0] + 1, *s[0][1:]]]), "has shape"),
+        (lambda n, d, s: (n[:1], ["float16"], s[:1]), "has dtype"),
+        (lambda n, d, s: (n[:1], ["not_a_dtype"], s[:1]), "not a torch dtype"),
+        (lambda n, d, s: (n[:2] + n[:1], d[:2] + d[:1], s[:2] + s[:1]), "twice"),
+    ],
+    ids=["unknown-name", "shape", "dtype", "dtype-name", "duplicate"],
+)
+def test_a_bad_declaration_is_refused_at_once_and_nothing_changes(client, bad, expect):
+    specs = client.weight_specs()
+    names = list(specs)
+    dtypes = [str(specs[n][1]).removeprefix("torch.") for n in names]
+    shapes = [list(specs[n][0]) for n in names]
+    before, outs = client.weight_digests(), _completions(client, 4)
+    n, d, s = bad(names, dtypes, shapes)
+    with pytest.raises(WeightSyncError, match=f"400.*{expect}") as err:  # no broadcast: it cannot wait on one
+        client.post("/update_weights_from_distributed", {"names": n, "dtypes": d, "shapes": s})
+    assert n[0].split(".")[0] in str(err.value) or expect == "not a torch dtype"
+    assert client.weight_digests() == before
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(_completions(client, 4), outs, strict=True))
+
+
+def test_a_nan_is_refused_and_the_old_weights_keep_serving(tiny, client):
+    before, outs = client.weight_digests(), _completions(client, 4)
+    master = _trained(tiny)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    with torch.no_grad():
+        dict(master.named_parameters())[name][3, 5] = float("nan")
+    with pytest.raises(WeightSyncError, match=f"400.*{name}"):
+        client.update_weights_from_distributed(master.named_parameters())
+    assert client.weight_digests() == before
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(_completions(client, 4), outs, strict=True))
+
+
+_DYING_TRAINER = textwrap.dedent(
+    """
+    import os, sys, torch, torch.distributed as dist
+    from samebits.client import Client, _Background
+    url, port, model_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    c = Client(url, timeout=120)
+    c.init_weights_update_group("127.0.0.1", port, backend="gloo", group_name="dying")
+    pairs = list(c.weight_specs().items())[:5]
+    body = {"names": [n for n, _ in pairs], "dtypes": [str(d).removeprefix("torch.") for _, (_, d) in pairs],
+            "shapes": [list(s) for _, (s, _) in pairs], "group_name": "dying"}
+    _Background(c.post, "/update_weights_from_distributed", body)
+    pg = c.groups["dying"][0]
+    for _, (shape, dtype) in pairs[:2]:
+        dist.broadcast(torch.ones(shape, dtype=dtype), src=0, group=pg)
+    print("sent 2", flush=True)
+    os._exit(1)  # the connection breaks halfway through the update
+    """
+)
+
+
+def test_a_trainer_that_dies_halfway_changes_nothing(tiny, client, server, tmp_path):
+    before, outs = client.weight_digests(), _completions(client, 4)
+    script = tmp_path / "dying.py"
+    script.write_text(_DYING_TRAINER)
+    proc = subprocess.run(
+        [sys.executable, str(script), server.url, str(_free_port()), str(tiny)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[1],
+    )
+    assert "sent 2" in proc.stdout, proc.stderr[-2000:]
+    # the server answered the dead trainer's request with a 500; it names the third tensor
+    digests = client.weight_digests()
+    assert digests == before
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(_completions(client, 4), outs, strict=True))
+    with pytest.raises(WeightSyncError, match="no group 'dying'|no weight update group"):
+        client.post(
+            "/update_weights_from_distributed",
+            {"names": [], "dtypes": [], "shapes": [], "group_name": "dying"},
+        )
+
+
+def test_a_request_in_flight_finishes_on_the_old_weights(tiny, client, server):
+    import httpx
+
+    sp = {"temperature": 1.0, "max_new_tokens": 200, "ignore_eos": True, "sampling_seed": 5}
+    alone = client.generate(PROMPT, sp)  # the same request, with nothing else going on
+    master = _trained(tiny)
+    with torch.no_grad():
+        for p in master.parameters():
+            p.mul_(0.9)  # weights the server does not have yet
+    answer = []
+    with httpx.stream(
+        "POST",
+        f"{server.url}/generate",
+        json={"input_ids": PROMPT, "sampling_params": sp, "stream": True, "return_logprob": True},
+        timeout=120,
+    ) as resp:
+        lines = resp.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        assert first
+        push = threading.Thread(
+            target=lambda: answer.extend(client.update_weights_from_distributed(master.named_parameters()))
+        )
+        push.start()
+        last = [line for line in lines if line.startswith("data:") and "[DONE]" not in line][-1]
+    push.join(timeout=120)
+    assert "1 requests in flight finished on the old weights first" in answer[0]
+    streamed = json.loads(last[len("data:") :])
+    assert streamed["output_ids"] == alone["output_ids"]
+    assert streamed["meta_info"]["output_token_logprobs"] == alone["meta_info"]["output_token_logprobs"]
+    assert client.generate(PROMPT, sp)["output_ids"] != alone["output_ids"]  # the update did land
+
+
+def test_the_group_is_sglangs(tmp_path):
+    """Both ends made with SGLang's recipe (PrefixStore(group_name) over the rendezvous store,
+    a named non-default group): a broadcast crosses, and no default group is created."""
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    q = ctx.Queue()
+    p = ctx.Process(target=_receive_one, args=(port, q))
+    p.start()
+    from samebits.weights.group import destroy, init_custom_process_group
+
+    pg = init_custom_process_group("gloo", "127.0.0.1", port, 2, 0, "g")
+    torch.distributed.broadcast(torch.arange(5.0), src=0, group=pg)
+    assert q.get(timeout=60) == [0.0, 1.0, 2.0, 3.0, 4.0]
+    p.join(timeout=60)
+    assert not torch.distributed.is_initialized()
+    destroy(pg)
+
+
+def _receive_one(port, q) -> None:
+    from samebits.weights.group import destroy, init_custom_process_group
+
+    pg = init_custom_process_group("gloo", "127.0.0.1", port, 2, 1, "g")
+    t = torch.empty(5)
+    torch.distributed.broadcast(t, src=0, group=pg)
+    q.put(t.tolist())
+    destroy(pg)
