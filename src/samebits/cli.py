@@ -142,6 +142,8 @@ def _rl_config(args):
         digest_tensors=None if args.digest == "all" else tuple(args.digest.split(",")),
         digest_kind=args.digest_kind,
         share_weights=args.share_weights,
+        server=args.server,
+        weight_sync=args.weight_sync,
         out_dir=args.out,
     )
 
@@ -226,6 +228,20 @@ def _add_rl(sub) -> None:
         "--share-weights",
         action="store_true",
         help="the engine runs on the trainer's own parameter tensors: one copy of the model on the device",
+    )
+    r.add_argument(
+        "--server",
+        default=None,
+        metavar="URL|spawn",
+        help="the engine is a samebits serve reached only over HTTP and the weight-update group, "
+        "as an external framework drives it: its URL, or 'spawn' to start one on 127.0.0.1",
+    )
+    r.add_argument(
+        "--weight-sync",
+        default="distributed",
+        choices=["distributed", "tensor"],
+        help="with --server: distributed (the weight-update group, gloo/NCCL; default) or tensor "
+        "(CUDA IPC handles: a server on the same GPU)",
     )
     r.add_argument(
         "--out",

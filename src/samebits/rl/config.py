@@ -74,6 +74,12 @@ class RLConfig:
     # the engine's parameters are the trainer's tensors (one copy of the model on the device);
     # the sync then has nothing to copy and the digests compare one memory with itself
     share_weights: bool = False
+    # the engine is a `samebits serve` reached over HTTP only (samebits.rl.remote): its URL, or
+    # "spawn" to start one on 127.0.0.1 for the run; None: an in-process engine
+    server: str | None = None
+    # how weights reach a server: "distributed" (the weight-update group: gloo on the CPU, NCCL
+    # on CUDA) or "tensor" (CUDA IPC handles; shared memory on the CPU): a server on this GPU
+    weight_sync: str = "distributed"
     out_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -111,6 +117,14 @@ class RLConfig:
             raise ValueError(f"digest_tensors must be None or a tuple of names, got {self.digest_tensors!r}")
         if not isinstance(self.share_weights, bool):
             raise ValueError(f"share_weights must be True or False, got {self.share_weights!r}")
+        _one_of("weight_sync", self.weight_sync, ("distributed", "tensor"))
+        if self.server is not None:
+            if not isinstance(self.server, str) or not (
+                self.server == "spawn" or self.server.startswith(("http://", "https://"))
+            ):
+                raise ValueError(f"server must be 'spawn' or an http:// URL, got {self.server!r}")
+            if self.share_weights:
+                raise ValueError("share_weights needs the engine in this process; it cannot go with server")
         if self.reward not in ("toy", "hash") and self.reward.count(":") != 1:
             raise ValueError(f"reward must be 'toy', 'hash' or 'module:function', got {self.reward!r}")
 

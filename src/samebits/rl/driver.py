@@ -140,6 +140,7 @@ def run(
     finally:
         if view:
             view.close()
+        loop.close()
     if ckpt:
         loop.save_checkpoint(ckpt)
     if out:

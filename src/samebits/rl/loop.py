@@ -49,15 +49,20 @@ class RLLoop:
         first, count = parallel.local_slice(config.num_prompts)
         self.local_prompts = range(first, first + count)
         shared = self.model.named_parameters(remove_duplicate=False) if config.share_weights else None
-        self.llm = LLM(
-            self.path,
-            weights=shared,
-            device=config.device,
-            dtype=config.dtype,
-            max_num_seqs=count * config.n,
-            max_model_len=config.max_model_len,
-            numerics=config.engine_numerics,
-        )
+        if config.server is not None:  # the engine in another process, over HTTP (rl/remote.py)
+            from samebits.rl.remote import RemoteEngine
+
+            self.llm = RemoteEngine(config.server, self.path, config)
+        else:
+            self.llm = LLM(
+                self.path,
+                weights=shared,
+                device=config.device,
+                dtype=config.dtype,
+                max_num_seqs=count * config.n,
+                max_model_len=config.max_model_len,
+                numerics=config.engine_numerics,
+            )
         self.trainable = train.freeze(self.model, config.freeze_patterns())
         self.optimizer = torch.optim.AdamW(
             [p for _, p in self.trainable], lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
@@ -193,6 +198,12 @@ class RLLoop:
     def digest_mismatches(self) -> list[str]:
         """Names among `digest_names` whose digest differs between trainer and engine."""
         return self.sync_and_check(push=False)["bad"]
+
+    def close(self) -> None:
+        """Stop what the loop started (a spawned server, the weight-update group)."""
+        close = getattr(self.llm, "close", None)
+        if close is not None:
+            close()
 
     # -- checkpoints ------------------------------------------------------------------------
 
