@@ -20,6 +20,11 @@ COUNTERS = {
     "engine_steps": "engine steps",
     "engine_step_seconds": "seconds spent in engine steps",
 }
+# vLLM's prefix_cache_queries / prefix_cache_hits, in tokens (engine/core.py EngineStats)
+PREFIX_CACHE_COUNTERS = {
+    "prefix_cache_queries": "prompt tokens looked up in the prefix cache at admission",
+    "prefix_cache_hits": "of those, tokens whose K/V came from the cache (not computed)",
+}
 
 
 class EngineCollector:
@@ -35,6 +40,9 @@ class EngineCollector:
             yield _gauge(f"samebits_{name}", doc, values[name])
         for name, doc in COUNTERS.items():
             yield _counter(f"samebits_{name}", doc, values[name])
+        for name, doc in PREFIX_CACHE_COUNTERS.items():
+            if name in values:  # in the dict once engine_child.stats reports them
+                yield _counter(f"samebits_{name}", doc, values[name])
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
