@@ -238,3 +238,129 @@ def test_metrics_export_the_prefix_cache_counters():
     text = render(make_registry(Engine())).decode()
     assert "samebits_prefix_cache_queries_total 264.0" in text
     assert "samebits_prefix_cache_hits_total 224.0" in text
+
+
+# -- the block manager and scheduler, plain Python -----------------------------------------
+
+
+def _seq(i, tokens, max_tokens=4):
+    from samebits.engine.sequence import Sequence
+
+    return Sequence(i, i, list(tokens), SamplingParams(max_tokens=max_tokens))
+
+
+def _admit(bm, seq) -> list[int]:
+    """What the scheduler does at admission: hits, then blocks for the whole sequence."""
+    hits = bm.cached_prefix(seq)
+    assert bm.can_allocate(bm.admission_cost(hits, seq.num_tokens))
+    bm.take_prefix(seq, hits)
+    bm.allocate(seq, seq.num_tokens)
+    bm.publish(seq, seq.num_tokens)
+    return hits
+
+
+def test_block_manager_refcounts_and_the_free_list():
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    a, b = _seq(0, range(10, 19)), _seq(1, range(10, 19))  # 9 tokens: 2 full blocks + 1
+    assert _admit(bm, a) == [] and a.block_table == [0, 1, 2] and len(bm.cached) == 2
+    assert bm.admission_cost(bm.cached_prefix(b), 9) == 1  # the hits are held: only a new block
+    assert _admit(bm, b) == [0, 1] and b.block_table == [0, 1, 3] and b.num_computed_tokens == 8
+    assert [bm.ref_counts[i] for i in range(4)] == [2, 2, 1, 1] and bm.num_free_blocks == 4
+    bm.free(a)
+    assert [bm.ref_counts[i] for i in range(4)] == [1, 1, 0, 1]
+    assert next(iter(bm.free_blocks)) == 2  # a's partial block (no hash) is reused first
+    bm.free(b)
+    assert bm.num_free_blocks == 8 and all(r == 0 for r in bm.ref_counts)
+    assert list(bm.free_blocks)[-2:] == [1, 0]  # cached: the chain's tail is evicted first
+    c = _seq(2, range(10, 19))  # the cached-but-free hits come out of the free list
+    assert bm.admission_cost(bm.cached_prefix(c), 9) == 3 and _admit(bm, c) == [0, 1]
+    assert bm.num_free_blocks == 5
+
+
+def test_block_manager_evicts_the_least_recently_freed_first():
+    bm = BlockManager(4, 2, enable_prefix_caching=True)
+    a, b = _seq(0, [5, 6, 7, 8]), _seq(1, [1, 2, 3, 4])
+    _admit(bm, a), _admit(bm, b)
+    bm.free(a)
+    bm.free(b)
+    assert list(bm.free_blocks) == [1, 0, 3, 2]
+    bm.allocate(_seq(2, [9]), 1)  # takes block 1: a's second block loses its hash
+    assert bm.cached_prefix(_seq(3, [5, 6, 7, 8, 0])) == [0]
+    assert bm.cached_prefix(_seq(4, [1, 2, 3, 4, 0])) == [2, 3]
+
+
+def test_the_chain_keeps_a_block_to_its_position_and_its_prefix():
+    bm = BlockManager(8, 2, enable_prefix_caching=True)
+    _admit(bm, _seq(0, [1, 2, 3, 4, 5]))
+    assert bm.cached_prefix(_seq(1, [3, 4, 5])) == []  # [3, 4] was cached after [1, 2] only
+    assert bm.cached_prefix(_seq(2, [1, 2, 9, 9, 5])) == [0]  # diverges in block 1
+    assert bm.cached_prefix(_seq(3, [1, 2, 3, 4])) == [0]  # at most num_tokens - 1 tokens
+    assert bm.cached_prefix(_seq(4, [1, 2, 3, 4, 6])) == [0, 1]
+    unchained = BlockManager(8, 2, enable_prefix_caching=True)
+    unchained._block_hash = _unchained
+    _admit(unchained, _seq(0, [1, 2, 3, 4, 5]))
+    assert unchained.cached_prefix(_seq(1, [3, 4, 5])) == [1]  # the control: a wrong share
+
+
+def test_only_text_sequences_share_and_none_without_the_option():
+    on, off = BlockManager(8, 2, enable_prefix_caching=True), BlockManager(8, 2)
+    _admit(off, _seq(0, [1, 2, 3]))
+    assert not off.cached and off.cached_prefix(_seq(1, [1, 2, 3])) == []
+    mm = _seq(2, [1, 2, 3])
+    mm.family_state = object()  # a multimodal prompt's state: its K/V depend on more than ids
+    _admit(on, mm)
+    assert not on.cached
+    text = _seq(3, [1, 2, 3])
+    _admit(on, text)
+    twin = _seq(4, [1, 2, 3])
+    twin.family_state = object()
+    assert on.cached_prefix(twin) == [] and on.cached_prefix(_seq(5, [1, 2, 3])) == text.block_table[:1]
+
+
+def test_a_reset_in_flight_stops_publishing_until_recomputed():
+    bm = BlockManager(8, 2, enable_prefix_caching=True)
+    a = _seq(0, [1, 2, 3])
+    _admit(bm, a)
+    bm.reset_prefix_cache()
+    assert not bm.cached and all(h is None for h in bm.block_hash)
+    a.append_token(4, 0.0)
+    bm.allocate(a, 4)
+    bm.publish(a, 4)  # a's K/V straddle the reset: nothing of it is published
+    assert not bm.cached
+    bm.free(a)
+    _admit(bm, a)  # recomputed from token 0 in the new epoch
+    assert len(bm.cached) == 2
+
+
+def test_scheduler_with_sharing_keeps_its_invariants_and_frees_everything():
+    """Many requests with common heads, n samples, a cache small enough to preempt: every
+    step, a block's count equals the running sequences holding it, no chunk writes into a
+    shared block, held + free = all; at the end every block is free and outputs are those of
+    the same run without sharing (the fake model's tokens depend on the schedule only if the
+    scheduler lost or reordered work)."""
+    from samebits.engine.scheduler import Scheduler
+
+    def run(caching):
+        bm = BlockManager(8, 4, enable_prefix_caching=caching)
+        sched = Scheduler(6, 10, bm)
+        heads = [list(range(2, 11)), list(range(20, 26))]
+        seqs = [_seq(i, heads[i % 2] + [40 + i] * (i % 3), max_tokens=4 + i % 6) for i in range(12)]
+        for s in seqs:
+            sched.add(s)
+        hits = 0
+        while sched.has_unfinished():
+            batch = sched.schedule()
+            hits += batch.prefix_cache_hits
+            held = [b for s in sched.running for b in s.block_table]
+            assert all(bm.ref_counts[b] == held.count(b) for b in set(held))
+            assert len(set(held)) + bm.num_free_blocks == bm.num_blocks
+            for c in batch.chunks:
+                first, last = c.start // 4, (c.start + c.num_tokens - 1) // 4
+                assert all(bm.ref_counts[b] == 1 for b in c.seq.block_table[first : last + 1])
+            token = {c.seq.seq_id: (100 + c.seq.seq_id + c.seq.num_output_tokens, 0.0) for c in batch.chunks}
+            sched.postprocess(batch, token)
+        assert bm.num_free_blocks == bm.num_blocks and all(r == 0 for r in bm.ref_counts)
+        return [s.output_token_ids for s in seqs], sched.num_preemptions, hits
+
+    (shared, preempted, hits), (plain, _, _) = run(True), run(False)
+    assert shared == plain and preempted > 0 and hits > 0
