@@ -364,3 +364,32 @@ def test_scheduler_with_sharing_keeps_its_invariants_and_frees_everything():
 
     (shared, preempted, hits), (plain, _, _) = run(True), run(False)
     assert shared == plain and preempted > 0 and hits > 0
+
+
+# -- CUDA ----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False], ids=["cuda_graphs", "eager"])
+def test_cuda_sharing_is_bitwise_and_a_shared_block_replays_in_a_graph(tiny, monkeypatch, graphs):
+    """On CUDA (Triton attention reading the shared pages): n=8 in one step, then n=4 of a
+    17-token prompt already cached, whose first step is 4 one-token chunks over a shared
+    block: with graphs on it replays as a decode graph. Bitwise equal to no sharing."""
+    kw = dict(device="cuda", cuda_graphs=graphs)
+    shared, plain = _engine(tiny, **kw), _engine(tiny, caching=False, **kw)
+    p33, p17 = _prompts(shared, [33, 17], seed=12)
+    replayed = []
+    if graphs:
+        run = shared.runner.graphs.run
+
+        def recording(batch, size, reqs, positions):
+            replayed.append([(c.start, c.num_tokens) for c in batch.chunks])
+            return run(batch, size, reqs, positions)
+
+        monkeypatch.setattr(shared.runner.graphs, "run", recording)
+    for prompt, n in ((p33, 8), (p17, 1), (p17, 4)):
+        a, b = shared.generate([prompt], _sp(n, n=n))[0], plain.generate([prompt], _sp(n, n=n))[0]
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            _same(x, y)
+    assert shared.core.stats.prefix_cache_hits == 7 * 32 + 4 * 16
+    assert ([(16, 1)] * 4 in replayed) == graphs
