@@ -197,6 +197,28 @@ def test_update_weights_resets_the_prefix_cache(tiny, monkeypatch, reset):
     assert _differ(out, fresh.generate([prompt], _sp(0))[0]) != reset
 
 
+@pytest.mark.parametrize("reset", [True, False], ids=["abort_all", "control_no_reset"])
+def test_a_failed_step_drops_the_blocks_it_published(tiny, monkeypatch, reset):
+    """A step that raises after scheduling has published blocks whose K/V were never written;
+    the abort that follows drops them. Control: without that reset the next request reads the
+    unwritten (zero) K/V and its bits differ."""
+    llm = _engine(tiny)
+    prompt = _prompts(llm, [37], seed=13)[0]
+    if not reset:
+        monkeypatch.setattr(llm.block_manager, "reset_prefix_cache", lambda: None)
+
+    def failing(batch, reqs):
+        raise RuntimeError("the device failed")
+
+    monkeypatch.setattr(llm.runner, "run", failing)
+    with pytest.raises(RuntimeError, match="the device failed"):
+        llm.generate([prompt], _sp(0))
+    assert bool(llm.block_manager.cached) != reset
+    monkeypatch.undo()
+    out = llm.generate([prompt], _sp(0))[0]
+    assert _differ(out, _engine(tiny, caching=False).generate([prompt], _sp(0))[0]) != reset
+
+
 def test_sleep_and_set_numerics_reset_the_prefix_cache(tiny):
     llm = _engine(tiny)
     for change in (llm.sleep, lambda: llm.set_numerics("exact")):

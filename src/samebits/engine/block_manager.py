@@ -107,9 +107,9 @@ class BlockManager:
         seq holds no blocks (a waiting sequence). [] when seq does not share."""
         if not self.shares(seq):
             return []
-        hashes = self._hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        n = (seq.num_tokens - 1) // self.block_size
         hits = []
-        for h in hashes:
+        for h in self._hashes(seq, n)[:n]:
             block = self.cached.get(h)
             if block is None:
                 break
@@ -140,16 +140,16 @@ class BlockManager:
         """Publish seq's blocks that are full within its first num_tokens tokens, whose K/V
         the step being scheduled writes (or an earlier one wrote). A block whose hash is
         already cached elsewhere stays private (same K/V, one copy is enough)."""
-        if not self.shares(seq) or seq.cache_epoch != self.epoch:
-            return
         full = num_tokens // self.block_size
+        if full <= seq.num_hashed_blocks or not self.shares(seq) or seq.cache_epoch != self.epoch:
+            return  # (most decode steps fill no block)
         hashes = self._hashes(seq, full)
         for b in range(seq.num_hashed_blocks, full):
             block, h = seq.block_table[b], hashes[b]
             if h not in self.cached and self.block_hash[block] is None:
                 self.cached[h] = block
                 self.block_hash[block] = h
-        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+        seq.num_hashed_blocks = full
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (new weights, a zeroed cache, another numerics profile):
@@ -161,14 +161,15 @@ class BlockManager:
         self.epoch += 1
 
     def _hashes(self, seq: Sequence, n: int) -> list[bytes]:
-        """The chained hashes of seq's first n full blocks (memoised on seq: tokens only grow)."""
+        """seq's chained block hashes, computed up to its first n full blocks at least
+        (memoised on seq: its tokens only grow)."""
         bs, hashes = self.block_size, seq.block_hashes
         extra = self._extra_key(seq)
         while len(hashes) < n:
             b = len(hashes)
             parent = hashes[-1] if hashes else b""
             hashes.append(self._block_hash(parent, seq.token_ids[b * bs : (b + 1) * bs], extra))
-        return hashes[:n]
+        return hashes
 
     @staticmethod
     def _block_hash(parent: bytes, token_ids: list[int], extra: bytes) -> bytes:
