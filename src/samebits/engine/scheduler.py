@@ -50,7 +50,8 @@ class Scheduler:
     the rest of their tokens, cut to the budget left); then waiting ones are admitted FIFO
     until one does not fit. A running sequence that cannot get a block preempts the newest
     running one (possibly itself), which goes back to the front of the queue with its blocks
-    freed and is recomputed from token 0 on readmission.
+    freed and is recomputed from token 0 on readmission (from after its longest cached
+    prefix, its own freed blocks included, with prefix sharing on).
 
     With prefix sharing on (block_manager.py), an admitted sequence (readmitted ones too)
     starts after the longest cached chain of its full blocks, and every scheduled chunk
