@@ -207,3 +207,36 @@ def test_wide_engine_equals_the_trainer_line_at_temperature(wide, weights, tempe
         differs += int(not torch.equal(recip[rows].gather(-1, targets)[:, 0], o.logprobs))
         start += n
     assert differs > 0, "the control could not see 1 / T's rounding"
+
+
+def _n4_runs(wide, weights, numerics):
+    """n=4 of a 17-token prompt, twice: (1) with prefix sharing, after a first request for the
+    same prompt, so every sample takes the first block from the cache and computes 1 token
+    (a step of 4 rows); (2) without sharing (a step of 4 x 17 rows)."""
+    prompt = make_prompts([17], VOCAB, seed=5)[0]
+    sp = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=0, n=4)
+    llm = _engine(wide, weights, numerics)
+    llm.generate([prompt], SamplingParams(max_tokens=1, seed=9))
+    shared = llm.generate([prompt], sp)[0].outputs
+    assert llm.core.stats.prefix_cache_hits == 4 * 16
+    plain = _engine(wide, weights, numerics, enable_prefix_caching=False).generate([prompt], sp)[0].outputs
+    return shared, plain
+
+
+def test_wide_n4_prefix_sharing_is_bitwise(wide, weights):
+    """The n=4 samples share the prompt's blocks, computed by the first sample in the same
+    step (21 tokens: 21 + 3 x 5 rows instead of 4 x 21) or by an earlier request: the same
+    bits as without sharing."""
+    prompt = make_prompts([21], VOCAB, seed=6)[0]
+    sp = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=1, n=4)
+    llm = _engine(wide, weights)
+    same_step = llm.generate([prompt], sp)[0].outputs
+    assert llm.core.stats.prefix_cache_hits == 3 * 16
+    plain = _engine(wide, weights, enable_prefix_caching=False).generate([prompt], sp)[0].outputs
+    assert _mismatches(same_step, plain) == 0
+    assert _mismatches(*_n4_runs(wide, weights, "exact")) == 0
+
+
+def test_wide_control_fast_profile_prefix_sharing_changes_bits(wide, weights):
+    """On stock kernels the 4-row step gives other bits than the 68-row one."""
+    assert _mismatches(*_n4_runs(wide, weights, "fast")) > 0

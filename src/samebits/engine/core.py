@@ -81,6 +81,11 @@ class EngineStats:
     step_seconds: float = 0.0  # summed over all steps
     aborted_requests: int = 0  # requests abort() stopped before they finished
     last_step_tokens: int = 0
+    # prefix sharing, in tokens (vLLM's counters): the tokens of every sequence admitted (or
+    # readmitted) with sharing on, and of those, the ones whose K/V came from the cache; the
+    # difference is what the admissions computed
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class _Request:
@@ -230,6 +235,8 @@ class EngineCore:
         self.stats.steps += 1
         self.stats.generated_tokens += len(chunks)
         self.stats.last_step_tokens = batch.num_tokens
+        self.stats.prefix_cache_queries += batch.prefix_cache_queries
+        self.stats.prefix_cache_hits += batch.prefix_cache_hits
         self.stats.last_step_seconds = time.perf_counter() - t0
         self.stats.step_seconds += self.stats.last_step_seconds
         return deltas

@@ -71,6 +71,8 @@ def stats(llm) -> dict:
         "num_preemptions": sched.num_preemptions,
         "engine_steps": s.steps,
         "engine_step_seconds": s.step_seconds,
+        "prefix_cache_queries": s.prefix_cache_queries,
+        "prefix_cache_hits": s.prefix_cache_hits,
         "last_step_seconds": s.last_step_seconds,
     }
 

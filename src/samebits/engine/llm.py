@@ -44,6 +44,9 @@ class EngineConfig:
     num_blocks: int | None = None
     numerics: str = "exact"
     cuda_graphs: bool = True  # decode steps in CUDA graphs (CUDA only; bitwise equal to eager)
+    # text prompts share the K/V blocks of a common prefix (the n samples of a request, other
+    # requests): vLLM's option; bitwise equal to computing them (engine/block_manager.py)
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -66,8 +69,9 @@ class EngineConfig:
                 f"num_blocks * block_size ({self.num_blocks} * {self.block_size}) must hold one "
                 f"sequence of max_model_len ({self.max_model_len}) tokens; raise num_blocks"
             )
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_device(self.device)
 
     @property
@@ -105,7 +109,9 @@ class LLM:
         reading the checkpoint's, sharing their storage (no copy): a trainer colocated on the
         same device passes its own parameters, so one copy of the model serves both and every
         optimizer step is in the engine at once. Names and shapes are checked against the
-        config; each tensor must be contiguous, of the engine's dtype and on its device.
+        config; each tensor must be contiguous, of the engine's dtype and on its device. After
+        changing them in place, call `reset_prefix_cache()` (or `sleep()`, which does) before
+        generating again: cached prompt K/V are the old weights'.
         """
         self.engine = EngineConfig(**engine_kwargs)
         self.path = resolve_model_path(model)  # a directory, or a hub id's cached snapshot
@@ -133,7 +139,7 @@ class LLM:
             max_model_len=self.engine.max_model_len,
             profile=PROFILES[self.engine.numerics],
         )
-        self.block_manager = BlockManager(num_blocks, self.engine.block_size)
+        self.block_manager = BlockManager(num_blocks, self.engine.block_size, self.engine.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.engine.max_num_seqs,
             self.engine.resolved_batched_tokens(),
@@ -257,6 +263,7 @@ class LLM:
         (update_weights and weight_digests still work); generate refuses until wake_up()."""
         if self.scheduler.has_unfinished():
             raise RuntimeError("sleep: requests are still running")
+        self.block_manager.reset_prefix_cache()  # wake_up brings a zeroed cache
         self.runner.release_kv_cache()
         self.asleep = True
 
@@ -276,8 +283,22 @@ class LLM:
             raise ValueError(f"numerics must be one of {tuple(PROFILES)}, got {numerics!r}")
         self.engine = dataclasses.replace(self.engine, numerics=numerics)
         self.runner.profile = PROFILES[numerics]
+        self.block_manager.reset_prefix_cache()  # cached K/V are the old profile's bits
         if self.runner.graphs is not None:
             self.runner.graphs.reset()
+
+    # -- prefix cache ---------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached KV block, so no later request reuses K/V computed before.
+        Call it after changing the weights by any path but `update_weights` (which calls it),
+        e.g. after an optimizer step on tensors shared through `LLM(weights=...)` without
+        `sleep()`. -> False, and nothing done, while requests are in flight."""
+        with self.core.lock:
+            if self.core.has_unfinished():
+                return False
+            self.block_manager.reset_prefix_cache()
+            return True
 
     # -- weights ----------------------------------------------------------------------------
 
@@ -305,6 +326,7 @@ class LLM:
             if tensor.dtype != p.dtype:
                 raise ValueError(f"update_weights: {name} has dtype {tensor.dtype}, expected {p.dtype}")
         refuse_non_finite(staged, "update_weights")
+        self.block_manager.reset_prefix_cache()  # cached K/V are the old weights'
         with torch.no_grad():
             for name, tensor in staged:
                 self._params[name].copy_(tensor)

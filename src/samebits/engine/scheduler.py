@@ -29,9 +29,13 @@ class ScheduledChunk:
 
 @dataclass
 class ScheduledBatch:
-    """The chunks one engine step computes, in scheduling order."""
+    """The chunks one engine step computes, in scheduling order. `prefix_cache_queries` /
+    `prefix_cache_hits`: tokens of the sequences admitted this step with prefix sharing on,
+    and of those, tokens whose K/V were found in the cache (vLLM's counters)."""
 
     chunks: list[ScheduledChunk]
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -46,7 +50,15 @@ class Scheduler:
     the rest of their tokens, cut to the budget left); then waiting ones are admitted FIFO
     until one does not fit. A running sequence that cannot get a block preempts the newest
     running one (possibly itself), which goes back to the front of the queue with its blocks
-    freed and is recomputed from token 0 on readmission.
+    freed and is recomputed from token 0 on readmission (from after its longest cached
+    prefix, its own freed blocks included, with prefix sharing on).
+
+    With prefix sharing on (block_manager.py), an admitted sequence (readmitted ones too)
+    starts after the longest cached chain of its full blocks, and every scheduled chunk
+    publishes the blocks it fills. The model writes every token's K/V of a step into the
+    cache before any attention of that step reads it (`model.attention.paged_attention`, per
+    layer), so a sequence admitted after another in the same step already hits the blocks
+    that one computes: the n samples of a request prefill their prompt once.
     """
 
     def __init__(
@@ -96,6 +108,7 @@ class Scheduler:
             seq.finish_reason = "abort"
         self.running.clear()
         self.waiting.clear()
+        self.blocks.reset_prefix_cache()  # after a failed step, published blocks may hold no K/V
         return aborted
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -113,13 +126,13 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's chunks and allocate their blocks."""
-        chunks: list[ScheduledChunk] = []
-        budget, preempted = self._schedule_running(chunks, self.max_num_batched_tokens)
+        batch = ScheduledBatch([])
+        budget, preempted = self._schedule_running(batch.chunks, self.max_num_batched_tokens)
         if not preempted:  # readmitting what was just preempted would only thrash
-            self._admit_waiting(chunks, budget)
-        if not chunks and self.has_unfinished():
+            self._admit_waiting(batch, budget)
+        if not batch.chunks and self.has_unfinished():
             raise RuntimeError("scheduler could not place any sequence; raise num_blocks")
-        return ScheduledBatch(chunks)
+        return batch
 
     def _schedule_running(self, chunks: list[ScheduledChunk], budget: int) -> tuple[int, bool]:
         """-> (budget left, whether anything was preempted)."""
@@ -137,20 +150,30 @@ class Scheduler:
                 preempted |= evicted
             if placed:
                 chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+                self.blocks.publish(seq, seq.num_computed_tokens + n)
                 budget -= n
         return budget, preempted
 
-    def _admit_waiting(self, chunks: list[ScheduledChunk], budget: int) -> None:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        """Admit FIFO; a waiting sequence holds no blocks, so it starts after its cached prefix."""
+        bm = self.blocks
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.blocks.can_allocate(self.blocks.blocks_needed(seq, seq.num_computed_tokens + n)):
+            hits = bm.cached_prefix(seq)  # [] without prefix sharing
+            start = len(hits) * bm.block_size
+            n = min(seq.num_tokens - start, budget)
+            if not bm.can_allocate(bm.admission_cost(hits, start + n)):
                 break
             self.waiting.popleft()
-            self.blocks.allocate(seq, seq.num_computed_tokens + n)
+            bm.take_prefix(seq, hits)
+            bm.allocate(seq, start + n)
+            bm.publish(seq, start + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            batch.chunks.append(ScheduledChunk(seq, start, n))
+            if bm.shares(seq):
+                batch.prefix_cache_queries += seq.num_tokens
+                batch.prefix_cache_hits += start
             budget -= n
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> tuple[bool, bool]:

@@ -33,6 +33,12 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        # prefix sharing (block_manager.py): the chained hash of each full block of token_ids so
+        # far (memoised: tokens only grow), how many leading blocks of block_table are published
+        # or were taken from the cache, and the cache epoch the sequence started computing in
+        self.block_hashes: list[bytes] = []
+        self.num_hashed_blocks = 0
+        self.cache_epoch = 0
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.family_state = None  # what the model family's `prepare` made of the prompt (None: text)

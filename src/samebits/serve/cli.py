@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import socket
 import sys
 from contextlib import asynccontextmanager
@@ -44,6 +45,13 @@ def add_parser(sub) -> None:
     s.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: max_num_seqs full seqs)")
     s.add_argument("--numerics", default="exact", choices=("exact", "fast"), help="numerics profile")
     s.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA")
+    s.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="text prompts share the KV blocks of a common prefix: the n samples of a request, and "
+        "later requests (bitwise equal to recomputing them; default on)",
+    )
     s.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     s.set_defaults(fn=run)
 
@@ -68,6 +76,7 @@ def run(args) -> int:
                 num_blocks=args.num_blocks,
                 numerics=args.numerics,
                 cuda_graphs=not args.no_cuda_graphs,
+                enable_prefix_caching=args.enable_prefix_caching,
             )
         )
     except (ValueError, OSError, RuntimeError) as e:

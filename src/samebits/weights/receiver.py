@@ -170,8 +170,8 @@ class WeightReceiver:
         }
 
     def flush_cache(self) -> str:
-        reset = getattr(self.llm, "reset_prefix_cache", None)
-        if reset is not None and not reset():
+        """Drop the prefix cache (runs when nothing is in flight: see engine_child)."""
+        if not self.llm.reset_prefix_cache():
             raise RuntimeError("flush_cache: requests are in flight")
         return "cache flushed"
 
