@@ -18,9 +18,11 @@ ALLOWED = {
     "numerics": {"kernels"},
     "model": {"kernels", "numerics", "requests", "progress"},
     "trainer": {"kernels", "numerics", "model", "requests"},
-    "engine": {"numerics", "model", "requests"},
+    "weights": set(),  # process group, IPC serialization, the receiver (duck-typed over LLM)
+    "engine": {"numerics", "model", "requests", "progress", "weights"},
+    "client": {"engine", "weights"},  # the trainer's side of weight sync
     "serve": {"engine", "model", "requests"},
-    "rl": {"engine", "model", "numerics", "requests", "trainer", "plotting"},
+    "rl": {"client", "engine", "model", "numerics", "requests", "trainer", "plotting"},
     "verify": {"engine", "model", "numerics", "requests", "trainer"},
     "bench": {"engine", "model", "numerics", "requests", "trainer", "plotting"},
     "cli_checks": {"engine", "model"},
