@@ -270,3 +270,30 @@ def _receive_one(port, q) -> None:
     torch.distributed.broadcast(t, src=0, group=pg)
     q.put(t.tolist())
     destroy(pg)
+
+
+def test_a_join_that_never_completes_does_not_stop_the_engine(client):
+    """A trainer that asks the server to join but never joins itself (here: nobody hosts the
+    store) must not freeze generation: the rendezvous waits in a thread of its own."""
+    body = {
+        "master_address": "127.0.0.1",
+        "master_port": _free_port(),
+        "rank_offset": 1,
+        "world_size": 2,
+        "group_name": "never",
+        "backend": "gloo",
+    }
+    threading.Thread(
+        target=lambda: _swallow(client.post, "/init_weights_update_group", body), daemon=True
+    ).start()
+    before = _completions(client, 4)
+    assert all(len(ids) == 4 for ids, _ in before)
+    with pytest.raises(WeightSyncError, match="already exists"):  # the pending join holds its name
+        client.post("/init_weights_update_group", body)
+
+
+def _swallow(fn, *args) -> None:
+    try:
+        fn(*args)
+    except WeightSyncError:
+        pass

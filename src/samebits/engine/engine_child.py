@@ -17,6 +17,7 @@ Their checks that need no data run at once (`PRECHECK`), so a bad update answers
 
 from __future__ import annotations
 
+import threading
 import traceback
 from collections import deque
 
@@ -31,6 +32,7 @@ WAIT_IDLE = (
     "resume_memory_occupation",
     "flush_cache",
 )
+IN_THREAD = ("init_weights_update_group",)  # touches no engine state until the group exists
 PRECHECK = {"update_weights_from_distributed": "check_distributed"}
 
 
@@ -82,6 +84,7 @@ class _Loop:
         self.conn, self.llm, self.core = conn, llm, llm.core
         self.sent: dict[str, list[int]] = {}  # request id -> tokens already sent, per sample
         self.receiver = WeightReceiver(llm)
+        self.send_lock = threading.Lock()
         self.calls: deque[tuple] = deque()  # WAIT_IDLE calls waiting for the engine to drain
         self.held: list[tuple] = []  # adds that arrived behind them
 
@@ -97,7 +100,7 @@ class _Loop:
                     command = self.conn.recv()  # blocks only when idle
                     if command[0] == "close":
                         self.core.abort_all()
-                        self.conn.send(("closed",))
+                        self._send(("closed",))
                         return
                     touched += self._handle(command)
                 if busy:
@@ -119,7 +122,7 @@ class _Loop:
         try:
             self.core.add_validated(request_id, 0, ids, params)
         except (ValueError, TypeError, RuntimeError) as e:
-            self.conn.send(("rejected", request_id, str(e)))
+            self._send(("rejected", request_id, str(e)))
             return []
         self.sent[request_id] = [0] * params.n
         return []
@@ -127,6 +130,9 @@ class _Loop:
     def _call(self, call_id: int, method: str, kwargs: dict) -> list[str]:
         if method not in IMMEDIATE + WAIT_IDLE:
             self._reply(call_id, False, ("ValueError", f"unknown engine call {method!r}"))
+            return []
+        if method in IN_THREAD:  # a rendezvous may wait long (a trainer that never joins): keep stepping
+            threading.Thread(target=self._run_call, args=(call_id, method, kwargs), daemon=True).start()
             return []
         if method in IMMEDIATE:
             self._run_call(call_id, method, kwargs)
@@ -169,7 +175,11 @@ class _Loop:
         self._reply(call_id, True, value)
 
     def _reply(self, call_id: int, ok: bool, value) -> None:
-        self.conn.send(("result", call_id, ok, value))
+        self._send(("result", call_id, ok, value))
+
+    def _send(self, message: tuple) -> None:
+        with self.send_lock:  # the loop and a group-joining thread both answer
+            self.conn.send(message)
 
     def _step(self) -> list[str]:
         try:
@@ -178,7 +188,7 @@ class _Loop:
             failed = [(r, None, 0, f"a step failed: {e!r}") for r in self.sent]
             self.core.abort_all()
             self.sent.clear()
-            self.conn.send(("step", failed, stats(self.llm)))
+            self._send(("step", failed, stats(self.llm)))
             return []
         return list(dict.fromkeys(d.request_id for d in deltas))
 
@@ -190,7 +200,7 @@ class _Loop:
             if self.core.is_finished(request_id):
                 self.core.pop(request_id)
                 del self.sent[request_id]
-        self.conn.send(("step", updates, stats(self.llm)))
+        self._send(("step", updates, stats(self.llm)))
 
 
 def _message(e: BaseException) -> str:

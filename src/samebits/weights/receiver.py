@@ -47,6 +47,7 @@ class WeightReceiver:
     def __init__(self, llm):
         self.llm = llm
         self.groups: dict[str, object] = {}
+        self.joining: set[str] = set()  # groups whose rendezvous is under way (in a thread)
 
     # -- the group ----------------------------------------------------------------------
 
@@ -59,7 +60,7 @@ class WeightReceiver:
         group_name: str = DEFAULT_GROUP,
         backend: str = "nccl",
     ) -> str:
-        if group_name in self.groups:
+        if group_name in self.groups or group_name in self.joining:
             raise ValueError(
                 f"group_name: a group {group_name!r} already exists; "
                 "POST /destroy_weights_update_group first, or use another name"
@@ -69,9 +70,13 @@ class WeightReceiver:
         if backend == "nccl":
             torch.cuda.set_device(self.llm.runner.device)
         t0 = time.perf_counter()
-        self.groups[group_name] = groups.init_custom_process_group(
-            backend, master_address, master_port, world_size, rank_offset, group_name
-        )
+        self.joining.add(group_name)
+        try:
+            self.groups[group_name] = groups.init_custom_process_group(
+                backend, master_address, master_port, world_size, rank_offset, group_name
+            )
+        finally:
+            self.joining.discard(group_name)
         took = time.perf_counter() - t0
         return f"joined group {group_name!r} as rank {rank_offset} of {world_size} in {took:.2f} s"
 
