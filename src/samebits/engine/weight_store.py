@@ -153,6 +153,14 @@ class WeightStore:
                     "give each slice once per update"
                 )
 
+    def units(self, slot: Slot) -> frozenset:
+        """The loading units `slot` writes."""
+        return slot.units(self._units[slot.param])
+
+    def all_units(self) -> dict[str, frozenset]:
+        """{parameter (the first name of each tensor): its loading units}."""
+        return dict(self._units)
+
     # -- updates --------------------------------------------------------------------------
 
     def update(self, named_tensors, where: str = "update_weights") -> None:
