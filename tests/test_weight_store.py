@@ -332,3 +332,26 @@ def test_cuda_release_frees_memory_and_graphs_replay_the_pushed_weights(checkpoi
     llm.update_weights_from_disk(other)
     fresh = _llm(other, device="cuda")
     assert _same_outs(_outs(llm), _outs(fresh))
+
+
+def test_omni_thinker_per_expert_names_and_from_disk(tmp_path, checkpoints):
+    """The thinker's names (`model.language_model.layers...`): per-expert updates and a
+    full Omni checkpoint (per-expert, under `thinker.`) over a fused thinker-only one."""
+    from samebits.model.tiny_omni import build_tiny_omni_checkpoint
+
+    ours = build_tiny_omni_checkpoint(tmp_path / "a", seed=0, layout="thinker", per_expert_layout=False)
+    theirs = build_tiny_omni_checkpoint(tmp_path / "b", seed=5, layout="full", per_expert_layout=True)
+    fresh = _llm(theirs)
+    want = fresh.weight_digests()
+    by_disk, by_name = _llm(ours), _llm(ours)
+    assert by_disk.weight_digests() != want
+    by_disk.update_weights_from_disk(theirs)
+    assert by_disk.weight_digests() == want
+    per_expert = to_per_expert(_snapshot(fresh))
+    assert any(n.startswith("model.language_model.layers.0.mlp.experts.0.") for n in per_expert)
+    by_name.update_weights(per_expert)
+    assert by_name.weight_digests() == want
+    with pytest.raises(
+        UnsupportedCheckpointError, match="is a qwen3_omni checkpoint, but this engine runs qwen3_moe"
+    ):
+        _llm(checkpoints[SHAPE]).update_weights_from_disk(theirs)

@@ -35,7 +35,9 @@ from samebits.progress import maybe_progress
 
 WHERE = "update_weights_from_disk"
 BATCH_BYTES = 1 << 30  # pass 1 holds at most this many bytes of checkpoint tensors at once
-_TEXT_FIELDS_IGNORED = ("torch_dtype", "eos_token_id", "extra")  # not part of the weights' shape
+# not part of the weights' shape: the stored dtype (cast on load), stop ids, and the
+# architecture within a family (a full Omni checkpoint or its thinker alone)
+_TEXT_FIELDS_IGNORED = ("torch_dtype", "eos_token_id", "architecture", "extra")
 _OMNI_FIELDS = (
     "mrope_section",
     "image_token_id",
