@@ -41,6 +41,11 @@ def _snapshot(llm) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in llm._params.items()}
 
 
+def _uses(t: torch.Tensor) -> int:
+    """How many references hold `t`'s storage (a freed parameter leaves only ours)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
 def _unchanged(llm, snap) -> bool:
     return all(torch.equal(p, snap[n]) for n, p in llm._params.items())
 
@@ -238,8 +243,13 @@ def test_from_disk_refuses_a_missing_tensor_before_reading_any(checkpoints, tmp_
 def test_release_frees_resume_refuses_until_pushed_then_bitwise_the_same(checkpoints):
     llm = _llm(checkpoints[SHAPE])
     snap, before = _snapshot(llm), _outs(llm)
+    held = [llm._params[n].data for n in llm.weight_store.all_units()]
+    alone = _uses(torch.ones(1))  # a storage no one else holds
+    assert all(_uses(t) > alone for t in held)  # negative control: the engine holds them now
     llm.release_memory_occupation(["weights"])
     assert all(p.numel() == 0 and p.untyped_storage().nbytes() == 0 for p in llm._params.values())
+    assert [_uses(t) for t in held] == [alone] * len(held)  # only `held` is left: freed once dropped
+    del held
     for call in (lambda: llm.generate(PROMPTS, PARAMS), lambda: llm.update_weights({}), llm.weight_digests):
         with pytest.raises(RuntimeError, match="released"):
             call()
@@ -355,3 +365,27 @@ def test_omni_thinker_per_expert_names_and_from_disk(tmp_path, checkpoints):
         UnsupportedCheckpointError, match="is a qwen3_omni checkpoint, but this engine runs qwen3_moe"
     ):
         _llm(checkpoints[SHAPE]).update_weights_from_disk(theirs)
+
+
+def test_from_disk_a_read_failing_halfway_through_the_copy_marks_the_rest_not_loaded(
+    checkpoints, other, monkeypatch
+):
+    llm = _llm(checkpoints[SHAPE])
+    before = _outs(llm)
+    read, calls = weight_files._read, []
+
+    def failing(store, handles, e):
+        calls.append(e.disk)
+        if len(calls) == len(set(calls)) + 3:  # the 3rd read of pass 2
+            raise OSError("disk went away")
+        return read(store, handles, e)
+
+    monkeypatch.setattr(weight_files, "_read", failing)
+    with pytest.raises(OSError, match="disk went away"):
+        llm.update_weights_from_disk(other)
+    assert 0 < llm.weight_store.num_missing < len(llm.weight_store.all_units())
+    with pytest.raises(RuntimeError, match="generate: .* not loaded"):
+        llm.generate(PROMPTS, PARAMS)
+    monkeypatch.setattr(weight_files, "_read", read)
+    llm.update_weights_from_disk(checkpoints[SHAPE])
+    assert _same_outs(_outs(llm), before)

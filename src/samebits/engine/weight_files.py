@@ -10,12 +10,13 @@
 
 So a checkpoint with NaN/inf (or a tied lm_head that differs from the embedding) anywhere
 leaves the old weights bitwise as they were, and memory beyond the weights stays bounded by
-one batch. The files must not change between the passes (checked by size and mtime).
+one batch. The files must not change between the passes (checked by size and mtime); should
+a read still fail in pass 2, the tensors not yet copied are marked not loaded, so requests
+are refused until weights are pushed again.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -26,27 +27,13 @@ import torch
 from samebits.engine.digest import tensor_digest
 from samebits.engine.weight_store import Slot, WeightStore
 from samebits.model import checkpoint_checks as checks
-from samebits.model.config import ModelConfig, UnsupportedCheckpointError
+from samebits.model.config import UnsupportedCheckpointError
 from samebits.model.families import family_for
 from samebits.model.loader import _read_headers
-from samebits.model.omni_config import OmniConfig
-from samebits.model.omni_loader import canonical_name
 from samebits.progress import maybe_progress
 
 WHERE = "update_weights_from_disk"
 BATCH_BYTES = 1 << 30  # pass 1 holds at most this many bytes of checkpoint tensors at once
-# not part of the weights' shape: the stored dtype (cast on load), stop ids, and the
-# architecture within a family (a full Omni checkpoint or its thinker alone)
-_TEXT_FIELDS_IGNORED = ("torch_dtype", "eos_token_id", "architecture", "extra")
-_OMNI_FIELDS = (
-    "mrope_section",
-    "image_token_id",
-    "video_token_id",
-    "audio_token_id",
-    "vision_start_token_id",
-    "audio_start_token_id",
-    "spatial_merge_size",
-)
 
 
 @dataclass(frozen=True)
@@ -71,8 +58,14 @@ def load_from_disk(store: WeightStore, family, path: Path) -> None:
         _check_values(store, entries, handles, path, many=len(files) > 1)
         if _stamp(entries) != stamp:
             raise UnsupportedCheckpointError(f"{WHERE}: {path} changed while it was read; nothing was copied")
-        for e in maybe_progress(entries, "loading weights") if len(files) > 1 else entries:
-            store.write([(e.slot, _read(store, handles, e))])
+        done = 0
+        try:
+            for e in maybe_progress(entries, "loading weights") if len(files) > 1 else entries:
+                store.write([(e.slot, _read(store, handles, e))])
+                done += 1
+        except BaseException:  # a read failed halfway (I/O): what was not copied is not loaded
+            store.mark_missing(e.slot for e in entries[done:])
+            raise
 
 
 def _plan(store: WeightStore, family, path: Path) -> list[_Entry]:
@@ -84,15 +77,16 @@ def _plan(store: WeightStore, family, path: Path) -> list[_Entry]:
     for disk, t in on_disk.items():
         name = rename(disk)
         if name is None or checks.DERIVED_TENSORS.search(name):
-            continue  # talker/code2wav of a full Omni checkpoint; buffers recomputed on load
+            continue  # parts of the checkpoint the engine does not run; buffers recomputed on load
         if name in named:
             raise UnsupportedCheckpointError(f"tensor {name} is stored twice, as {named[name][0]} and {disk}")
         named[name] = (disk, t)
     names = list(named)
+    shapes = [t.shape for _, t in named.values()]
     try:
-        slots = store.check_names(names, [None] * len(names), [t.shape for _, t in named.values()], WHERE)
+        slots = store.check_names(names, [None] * len(names), shapes, f"{WHERE}: checkpoint {path}")
     except (KeyError, ValueError) as e:
-        raise UnsupportedCheckpointError(f"{path}: {e.args[0]}") from None
+        raise UnsupportedCheckpointError(e.args[0]) from None
     _refuse_incomplete(store, slots, path)
     itemsize = {s.param: store.params[s.param].element_size() for s in slots}
     return [
@@ -108,27 +102,7 @@ def _same_model(family, path: Path):
             f"{WHERE}: {path} is a {family_for(path).name} checkpoint, but this engine runs "
             f"{family.name}; load it in a new LLM instead"
         )
-    omni = getattr(family, "omni", None)
-    if omni is None:
-        new_text, rename = ModelConfig.from_pretrained(path), lambda disk: disk
-        diffs = []
-    else:
-        new = OmniConfig.from_pretrained(path)
-        new_text, rename = new.text, lambda disk: canonical_name(disk, new.architecture)
-        diffs = [
-            (f, getattr(omni, f), getattr(new, f)) for f in _OMNI_FIELDS if getattr(omni, f) != getattr(new, f)
-        ]
-    for f in dataclasses.fields(ModelConfig):
-        ours, theirs = getattr(family.config, f.name), getattr(new_text, f.name)
-        if f.name not in _TEXT_FIELDS_IGNORED and ours != theirs:
-            diffs.append((f.name, ours, theirs))
-    if diffs:
-        said = "; ".join(f"{name}: engine {a!r}, checkpoint {b!r}" for name, a, b in diffs)
-        raise UnsupportedCheckpointError(
-            f"{WHERE}: {path}/config.json is another model shape ({said}); "
-            "update_weights_from_disk takes checkpoints of the engine's own model: load it in a new LLM instead"
-        )
-    return rename
+    return family.checkpoint_names(path, WHERE)
 
 
 def _refuse_incomplete(store: WeightStore, slots: list[Slot], path: Path) -> None:

@@ -111,12 +111,13 @@ class WeightStore:
         names: Sequence[str],
         dtypes: Sequence[torch.dtype],
         shapes: Sequence[Sequence[int]],
-        where: str = "",
+        where: str = "update_weights",
     ) -> list[Slot]:
-        """Validate a declared update (no data): each name known, its shape and dtype what the
-        model holds, no slice written twice. Raises KeyError/ValueError naming the tensor and
+        """Validate a declared update (no data): each name known, its shape and dtype what
+        the model holds (dtype None: any, for a checkpoint cast on load), no slice written
+        twice. `where` starts each message (the caller's name, e.g.
+        "update_weights_from_distributed"). Raises KeyError/ValueError naming the tensor and
         saying what was expected; -> each tensor's slot, in order."""
-        where = where or "update_weights"
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(
                 f"{where}: names, dtypes and shapes must have one entry per tensor, "
@@ -198,6 +199,11 @@ class WeightStore:
             for slot, tensor in slotted:
                 slot.view(self.params[slot.param]).copy_(tensor)
                 self.mark_loaded(slot)
+
+    def mark_missing(self, slots: Iterable[Slot]) -> None:
+        """Mark slices not loaded (their copy failed): requests are refused until pushed."""
+        for slot in slots:
+            self._missing.setdefault(slot.param, set()).update(self.units(slot))
 
     def mark_loaded(self, slot: Slot) -> None:
         missing = self._missing.get(slot.param)
