@@ -18,7 +18,7 @@ ALLOWED = {
     "numerics": {"kernels"},
     "model": {"kernels", "numerics", "requests", "progress"},
     "trainer": {"kernels", "numerics", "model", "requests"},
-    "engine": {"numerics", "model", "requests"},
+    "engine": {"numerics", "model", "requests", "progress"},  # progress: update_weights_from_disk
     "serve": {"engine", "model", "requests"},
     "rl": {"engine", "model", "numerics", "requests", "trainer", "plotting"},
     "verify": {"engine", "model", "numerics", "requests", "trainer"},
