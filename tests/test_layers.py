@@ -19,7 +19,7 @@ ALLOWED = {
     "model": {"kernels", "numerics", "requests", "progress"},
     "trainer": {"kernels", "numerics", "model", "requests"},
     "weights": set(),  # process group, IPC serialization, the receiver (duck-typed over LLM)
-    "engine": {"numerics", "model", "requests", "progress", "weights"},
+    "engine": {"numerics", "model", "requests", "progress", "weights"},  # progress: update_weights_from_disk
     "client": {"engine", "weights"},  # the trainer's side of weight sync
     "serve": {"engine", "model", "requests"},
     "rl": {"client", "engine", "model", "numerics", "requests", "trainer", "plotting"},

@@ -139,7 +139,7 @@ def test_bucketed_push_and_ipc_push_give_the_same_digests(tiny, client):
         (lambda n, d, s: (n[:1], d[:1], [[s[0][0] + 1, *s[0][1:]]]), "has shape"),
         (lambda n, d, s: (n[:1], ["float16"], s[:1]), "has dtype"),
         (lambda n, d, s: (n[:1], ["not_a_dtype"], s[:1]), "not a torch dtype"),
-        (lambda n, d, s: (n[:2] + n[:1], d[:2] + d[:1], s[:2] + s[:1]), "twice"),
+        (lambda n, d, s: (n[:2] + n[:1], d[:2] + d[:1], s[:2] + s[:1]), "more than once"),
     ],
     ids=["unknown-name", "shape", "dtype", "dtype-name", "duplicate"],
 )

@@ -138,7 +138,9 @@ class EngineCore:
     # -- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams, index: int = 0) -> str:
-        """Validate (ValueError naming the field) and queue one request's n samples; -> its id."""
+        """Validate (ValueError naming the field) and queue one request's n samples; -> its id.
+        RuntimeError while the weights are released or not all pushed since a resume."""
+        self.llm.weight_store.require_loaded("add_request")
         ids = self.llm._validate(index, prompt, params)
         self.check_text(index, params)
         state = self.llm._prepare_states([prompt], [ids])[0]

@@ -15,13 +15,14 @@ import torch
 from samebits.engine.block_manager import BlockManager
 from samebits.engine.core import EngineCore, RequestOutput, exclusive
 from samebits.engine.cuda_graphs import graph_sizes
-from samebits.engine.digest import DIGEST_KINDS, tensor_digest
+from samebits.engine.digest import tensor_digest  # noqa: F401 - re-exported (tests import it from here)
 from samebits.engine.runner import ModelRunner
 from samebits.engine.sampler import SampleRequest
 from samebits.engine.scheduler import Scheduler
 from samebits.engine.sequence import Sequence as Seq
 from samebits.engine.validation import check_request, no_tokenizer
-from samebits.model.checkpoint_checks import refuse_non_finite
+from samebits.engine.weight_files import load_from_disk
+from samebits.engine.weight_store import WeightStore
 from samebits.model.families import family_for
 from samebits.model.hub import resolve_model_path
 from samebits.numerics.profile import PROFILES
@@ -127,7 +128,7 @@ class LLM:
                 f"max_model_len ({self.engine.max_model_len}) exceeds the model's "
                 f"max_position_embeddings ({self.config.max_position_embeddings})"
             )
-        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.weight_store = WeightStore(self.model, owned=weights is None)  # engine/weight_store.py
         num_blocks = self.engine.resolved_num_blocks()
         self.runner = ModelRunner(
             self.family,
@@ -170,6 +171,7 @@ class LLM:
         with self.core.lock:
             if self.asleep:
                 raise RuntimeError("generate: the engine is asleep (KV cache released); call wake_up() first")
+            self.weight_store.require_loaded("generate")
             self.core.check_idle("generate")
             per_request = self._per_request_params(prompts, params)
             token_lists = [
@@ -300,73 +302,101 @@ class LLM:
             self.block_manager.reset_prefix_cache()
             return True
 
-    # -- weights ----------------------------------------------------------------------------
+    # -- weights (engine/weight_store.py) --------------------------------------------------
+
+    @property
+    def _params(self) -> dict[str, torch.nn.Parameter]:
+        """{HF name: parameter}, tied aliases included."""
+        return self.weight_store.params
 
     @exclusive
     def update_weights(
         self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
     ) -> None:
-        """Copy new values into parameters by HF name: a {name: tensor} mapping or (name,
-        tensor) pairs. All-or-nothing: every name, shape, dtype and value (NaN or inf is
-        refused, checked on the tensor's own device) is checked before any copy; on error
-        the old weights stay."""
-        staged = _named_pairs(named_tensors)
-        for name, tensor in staged:
-            if name not in self._params:
-                raise KeyError(f"update_weights: unknown parameter {name!r}")
-            p = self._params[name]
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"update_weights: {name} is a {type(tensor).__name__}, not a tensor")
-            if tuple(tensor.shape) != tuple(p.shape):
-                raise ValueError(
-                    f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}"
-                )
-            if tensor.is_meta or tensor.layout != torch.strided or hasattr(tensor, "device_mesh"):
-                raise ValueError(f"update_weights: {name} must be a plain dense tensor with data")
-            if tensor.dtype != p.dtype:
-                raise ValueError(f"update_weights: {name} has dtype {tensor.dtype}, expected {p.dtype}")
-        refuse_non_finite(staged, "update_weights")
-        self.block_manager.reset_prefix_cache()  # cached K/V are the old weights'
-        with torch.no_grad():
-            for name, tensor in staged:
-                self._params[name].copy_(tensor)
+        """Copy new values into parameters by name: a {name: tensor} mapping or (name, tensor)
+        pairs, named as transformers 5 names the parameters or with the hub's per-expert names
+        (`...mlp.experts.{e}.{gate,up,down}_proj.weight`, each writing its expert's slice of
+        the fused tensor). All-or-nothing: every name, shape, dtype, slice given twice and
+        value (NaN or inf is refused, checked on the tensor's own device) is checked before any
+        copy; on error the old weights stay, bitwise."""
+        self.weight_store.update(named_tensors, "update_weights")
+        self._after_weights_changed()
+
+    @exclusive
+    def update_weights_from_disk(self, model_path: str | Path) -> None:
+        """Load the weights of another checkpoint of this model (same family and config.json
+        shape; fused or per-expert experts, one file or shards; a hub id in the local cache),
+        all or nothing: headers are checked before any data is read, then every tensor is read
+        and checked finite, then read again and copied. On error the old weights stay, bitwise.
+        `LLM.path` stays the original directory (config, tokenizer and generation_config come
+        from there); only the weights change."""
+        load_from_disk(self.weight_store, self.family, resolve_model_path(model_path))
+        self._after_weights_changed()
+
+    def _after_weights_changed(self) -> None:
+        """Called after every change of the weights (update_weights, update_weights_from_disk,
+        resume_memory_occupation). Cached K/V computed under the old weights are stale: the
+        prefix cache is reset (safe with requests in flight: `BlockManager.reset_prefix_cache`)."""
+        self.block_manager.reset_prefix_cache()
 
     def weight_digests(self, names: Iterable[str] | str | None = None, kind: str = "sha256") -> dict[str, str]:
         """Hex digest of each named parameter (all parameters when names is None; a single str
         is one name). kind: "sha256" (the raw bytes, on the host) or "fast" (a non-cryptographic
-        checksum computed on the parameter's device, no host copy: `samebits.engine.digest`)."""
-        if kind not in DIGEST_KINDS:
-            raise ValueError(f"weight_digests: kind must be one of {DIGEST_KINDS}, got {kind!r}")
-        if names is None:
-            names = list(self._params)
-        elif isinstance(names, str):
-            names = [names]
-        elif isinstance(names, Iterable) and not isinstance(names, bytes | bytearray):
-            names = list(names)
-        else:
-            raise TypeError(
-                f"weight_digests: names must be parameter names or None, got {type(names).__name__}"
-            )
-        for name in names:
-            if not isinstance(name, str) or name not in self._params:
-                raise KeyError(f"weight_digests: unknown parameter {name!r}")
-        return {name: tensor_digest(self._params[name], kind) for name in names}
+        checksum computed on the parameter's device, no host copy: `samebits.engine.digest`).
+        RuntimeError for a tensor not loaded since resume_memory_occupation()."""
+        return self.weight_store.digests(names, kind)
+
+    # -- memory occupation (SGLang's tags) ----------------------------------------------------
+
+    @exclusive
+    def release_memory_occupation(self, tags: Iterable[str] | None = None) -> None:
+        """Free device memory, as SGLang's engine: tag "kv_cache" is `sleep()`, tag "weights"
+        frees every parameter's storage (refused for shared weights, `LLM(weights=...)`).
+        tags=None: both. Requests are refused until `resume_memory_occupation` (and, for
+        weights, until new weights are pushed)."""
+        tags = _memory_tags(tags)
+        if "weights" in tags:
+            self.weight_store.release()  # refuses first when the engine does not own them
+            self._reset_graphs()
+        if "kv_cache" in tags:
+            self.runner.release_kv_cache()
+            self.asleep = True
+        if "weights" in tags and self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @exclusive
+    def resume_memory_occupation(self, tags: Iterable[str] | None = None) -> None:
+        """Allocate again what `release_memory_occupation` freed (tags=None: both). Weights come
+        back zeroed and marked not loaded: push them with update_weights(...) or
+        update_weights_from_disk(path) before generating (a no-op for weights not released)."""
+        tags = _memory_tags(tags)
+        if "kv_cache" in tags:
+            self.runner.allocate_kv_cache()
+            self.asleep = False
+        if "weights" in tags and self.weight_store.released:
+            self.weight_store.resume()
+            self._reset_graphs()
+            self._after_weights_changed()
+
+    def _reset_graphs(self) -> None:
+        """Captured CUDA graphs hold the parameters' addresses: drop them (captured on use)."""
+        if self.runner.graphs is not None:
+            self.runner.graphs.reset()
 
 
-def _named_pairs(named_tensors) -> list[tuple[str, torch.Tensor]]:
-    """update_weights' input as a list of (name, tensor), refusing anything else clearly."""
-    if isinstance(named_tensors, Mapping):
-        return list(named_tensors.items())
-    if isinstance(named_tensors, str | bytes | torch.Tensor) or not isinstance(named_tensors, Iterable):
-        raise TypeError(
-            "update_weights takes a {name: tensor} mapping or (name, tensor) pairs, "
-            f"got {type(named_tensors).__name__}"
-        )
-    pairs = list(named_tensors)
-    for i, pair in enumerate(pairs):
-        if not (isinstance(pair, tuple | list) and len(pair) == 2 and isinstance(pair[0], str)):
-            raise TypeError(f"update_weights: item {i} is not a (name, tensor) pair: {type(pair).__name__}")
-    return [tuple(p) for p in pairs]
+MEMORY_TAGS = ("kv_cache", "weights")
+
+
+def _memory_tags(tags) -> frozenset[str]:
+    if tags is None:
+        return frozenset(MEMORY_TAGS)
+    if isinstance(tags, str) or not isinstance(tags, Iterable):
+        raise ValueError(f"tags must be a list of {list(MEMORY_TAGS)} or None, got {tags!r}")
+    tags = list(tags)
+    unknown = [t for t in tags if t not in MEMORY_TAGS]
+    if unknown:
+        raise ValueError(f"unknown memory tag(s) {unknown}; valid tags are {list(MEMORY_TAGS)} (None: both)")
+    return frozenset(tags)
 
 
 def _check_device(device: str) -> None:

@@ -13,6 +13,8 @@ Engine side (one family object per loaded model):
     positions(spans)           rotary positions of a step: [T] long, or [3, T] T/H/W rows
     step_inputs(spans)         extra `model(...)` keywords of a step; {} for a plain token step
                                (every decode step runs as a CUDA graph only when {} )
+    checkpoint_names(path, where)  for update_weights_from_disk: refuse a checkpoint of another
+                               config shape; -> its tensor name -> the model's (None: skipped)
 
 Trainer side (on the transformers model):
 
@@ -69,6 +71,8 @@ class ModelFamily(Protocol):
     def positions(self, spans: Sequence[Span]) -> torch.Tensor: ...
 
     def step_inputs(self, spans: Sequence[Span]) -> dict[str, Any]: ...
+
+    def checkpoint_names(self, path: Path, where: str) -> Callable[[str], str | None]: ...
 
     @staticmethod
     def trainer_prompts(sequences, prompt_lens, multimodal) -> list: ...

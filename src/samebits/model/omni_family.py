@@ -19,12 +19,28 @@ import dataclasses
 
 import torch
 
+from samebits.model.config_match import config_differences, refuse_other_shape
 from samebits.model.family import build_model
 from samebits.model.omni import MultimodalRows, Qwen3OmniThinker, RopeIndex
 from samebits.model.omni_config import OmniConfig, omni_architecture
 from samebits.model.omni_inputs import MultimodalState, check_prompt, encode, new_state
-from samebits.model.omni_loader import ThinkerWeights, load_thinker_weights, shared_thinker_weights
+from samebits.model.omni_loader import (
+    ThinkerWeights,
+    canonical_name,
+    load_thinker_weights,
+    shared_thinker_weights,
+)
 from samebits.requests import MultimodalPrompt, as_multimodal
+
+_OMNI_FIELDS = (  # the thinker's fields beside the text decoder's that its weights are trained for
+    "mrope_section",
+    "image_token_id",
+    "video_token_id",
+    "audio_token_id",
+    "vision_start_token_id",
+    "audio_start_token_id",
+    "spatial_merge_size",
+)
 
 
 class Qwen3OmniFamily:
@@ -60,6 +76,16 @@ class Qwen3OmniFamily:
         has_vision, has_audio = parts.vision is not None, parts.audio is not None
         model = build_model(lambda: Qwen3OmniThinker(omni, has_vision, has_audio), state, device)
         return cls(omni, model, parts, device)
+
+    def checkpoint_names(self, path, where: str):
+        """Refuse a checkpoint at `path` of another thinker shape (a full Omni checkpoint or a
+        thinker-only one of this model are both fine); -> its tensor name -> thinker name
+        (None for talker/code2wav tensors, which are skipped)."""
+        new = OmniConfig.from_pretrained(path)
+        diffs = config_differences(self.config, new.text)
+        diffs += [(f, getattr(self.omni, f), getattr(new, f)) for f in _OMNI_FIELDS]
+        refuse_other_shape([d for d in diffs if d[1] != d[2]], path, where)
+        return lambda disk_name: canonical_name(disk_name, new.architecture)
 
     # -- engine ------------------------------------------------------------------------------
 

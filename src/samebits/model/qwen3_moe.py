@@ -16,6 +16,7 @@ from torch import nn
 from samebits.model import loader
 from samebits.model.attention import AttentionBatch, paged_attention
 from samebits.model.config import ModelConfig
+from samebits.model.config_match import config_differences, refuse_other_shape
 from samebits.model.family import build_model, text_positions
 from samebits.numerics import ops
 from samebits.requests import as_multimodal
@@ -197,6 +198,11 @@ class Qwen3MoeFamily:
         else:
             config, state = loader.load_state_dict(path, dtype=dtype, device=device)
         return cls(config, build_model(lambda: Qwen3MoeForCausalLM(config), state, device))
+
+    def checkpoint_names(self, path, where: str):
+        """Refuse a checkpoint at `path` of another config shape; its tensor names are ours."""
+        refuse_other_shape(config_differences(self.config, ModelConfig.from_pretrained(path)), path, where)
+        return lambda disk_name: disk_name
 
     def prepare(self, i: int, prompt, ids: list[int]) -> None:
         if as_multimodal(prompt) is not None:

@@ -186,16 +186,15 @@ def reported_logprobs(logits: torch.Tensor, temperatures: list[float] | torch.Te
     divides by float32(T) on the CPU, but on CUDA aten turns a division by a Python scalar
     into a multiplication by the float32 reciprocal `1 / float32(T)` (BinaryDivTrueKernel.cu),
     which rounds differently. Here every row has its own temperature, so each device's rule
-    is applied per row: the CPU divides by the float32 temperatures, CUDA multiplies by their
-    float32 reciprocals (an IEEE division, so the same bits as aten's host-side `1 / b`).
+    is applied per row (the registry's `temperature_scale`): the CPU divides by the float32
+    temperatures, CUDA multiplies by their float32 reciprocals.
     `temperatures` may already be a float32 tensor [N]; T = 1 (greedy) is the identity.
     """
     if isinstance(temperatures, torch.Tensor):
         temps = temperatures.float()
     else:
         temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=torch.float32)
-    temps = temps.to(logits.device)[:, None]
-    scaled = logits.float() * torch.reciprocal(temps) if logits.is_cuda else logits.float() / temps
+    scaled = pick("temperature_scale", logits.device.type)(logits.float(), temps.to(logits.device))
     return torch.log_softmax(scaled, dim=-1)
 
 

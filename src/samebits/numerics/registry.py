@@ -126,6 +126,18 @@ def _experts_ref_twin(x, index, weights, gate_up, down):
     return experts_ref(x, index, weights, gate_up, down, linear=F.linear)
 
 
+def _divide_by_temperatures(x: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """x [N, V] float32 / temps [N]: what `x / T` (T a Python float) does on the CPU."""
+    return x / temps[:, None]
+
+
+def _multiply_by_reciprocals(x: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """x [N, V] float32 * (1 / temps) [N]: what `x / T` does on CUDA, where aten multiplies by
+    the float32 reciprocal of a scalar divisor (BinaryDivTrueKernel.cu); `reciprocal` is an
+    IEEE division, so 1 / T has the host's bits."""
+    return x * torch.reciprocal(temps)[:, None]
+
+
 # -- the table ----------------------------------------------------------------------------------
 
 TABLE: dict[str, dict[str, dict[str, Callable]]] = {
@@ -153,6 +165,9 @@ TABLE: dict[str, dict[str, dict[str, Callable]]] = {
         "cpu": {ANY: composite.add_rms_norm},
         "cuda": {"exact": _add_rms_norm_exact_cuda, "fast": _add_rms_norm_fast_cuda},
     },
+    # `logits.float() / T` with T a Python float, row by row (the reported log-prob's scaling):
+    # each device's rounding of the trainer's line, whatever the profile
+    "temperature_scale": {"cpu": {ANY: _divide_by_temperatures}, "cuda": {ANY: _multiply_by_reciprocals}},
     "apply_rotary": {
         "cpu": {ANY: composite.apply_rotary},
         "cuda": {"exact": composite.apply_rotary, "fast": _apply_rotary_fast_cuda},

@@ -99,13 +99,19 @@ class WeightReceiver:
             raise ValueError(
                 f"names, dtypes, shapes: lengths differ ({len(names)}, {len(dtypes)}, {len(shapes)})"
             )
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise ValueError(
+                "update_weights_from_distributed: names, dtypes and shapes must have one entry per "
+                f"tensor, got {len(names)}, {len(dtypes)} and {len(shapes)}"
+            )
         if not names:
             raise ValueError("names: empty update")
         declared = [
             (name, parse_dtype(i, d), tuple(int(x) for x in s))
             for i, (name, d, s) in enumerate(zip(names, dtypes, shapes, strict=True))
         ]
-        _check_declared(self.llm, declared)
+        where = "update_weights_from_distributed"
+        self.llm.weight_store.check_names(*zip(*declared, strict=True), where=where)
         return declared
 
     def update_weights_from_distributed(
@@ -163,14 +169,14 @@ class WeightReceiver:
         return {"digests": self.llm.weight_digests(names, kind)}
 
     def weight_specs(self, names=None) -> dict:
-        params = self.llm._params
+        specs = self.llm.weight_store.param_specs()
         for name in names or ():
-            if name not in params:
+            if name not in specs:
                 raise KeyError(f"weight_specs: unknown parameter {name!r}")
         return {
             "specs": {
-                n: {"shape": list(params[n].shape), "dtype": str(params[n].dtype).removeprefix("torch.")}
-                for n in (names or params)
+                n: {"shape": list(specs[n][0]), "dtype": str(specs[n][1]).removeprefix("torch.")}
+                for n in (names or specs)
             }
         }
 
@@ -183,19 +189,3 @@ class WeightReceiver:
 
 def _backend(group) -> str:
     return str(dist.get_backend(group))
-
-
-def _check_declared(llm, declared) -> None:
-    """Names, shapes and dtypes against the model's parameters (before any data)."""
-    seen = set()
-    for name, dtype, shape in declared:
-        p = llm._params.get(name)
-        if p is None:
-            raise KeyError(f"update_weights: unknown parameter {name!r}")
-        if name in seen:
-            raise ValueError(f"update_weights: {name} is given twice")
-        seen.add(name)
-        if shape != tuple(p.shape):
-            raise ValueError(f"update_weights: {name} has shape {shape}, expected {tuple(p.shape)}")
-        if dtype != p.dtype:
-            raise ValueError(f"update_weights: {name} has dtype {dtype}, expected {p.dtype}")
