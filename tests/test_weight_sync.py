@@ -297,3 +297,29 @@ def _swallow(fn, *args) -> None:
         fn(*args)
     except WeightSyncError:
         pass
+
+
+def test_disk_reload_release_and_resume_over_http(tiny, client):
+    """/update_weights_from_disk restores the checkpoint's weights (digests = the files');
+    released memory refuses requests; after a resume, requests wait for weights; the reload
+    then gives the same completions bit for bit."""
+    from samebits.model.loader import load_state_dict
+
+    client.update_weights_from_disk(str(tiny))
+    _, state = load_state_dict(tiny, dtype=torch.bfloat16)
+    files = client.local_digests(state.items())
+    assert client.weight_digests(list(files)) == files
+    reloaded = _completions(client, 6)
+    client.release_memory_occupation()
+    with pytest.raises(WeightSyncError, match="released"):
+        client.generate(PROMPT, {"max_new_tokens": 2})
+    client.resume_memory_occupation()
+    with pytest.raises(WeightSyncError, match="not loaded"):
+        client.generate(PROMPT, {"max_new_tokens": 2})
+    client.update_weights_from_disk(str(tiny))
+    again = _completions(client, 6)
+    assert all(a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(again, reloaded, strict=True))
+    client.post("/flush_cache")
+    with pytest.raises(WeightSyncError, match="400.*model_path|400.*does not exist|400.*not"):
+        client.update_weights_from_disk(str(tiny) + "-missing")
+    assert client.weight_digests(list(files)) == files

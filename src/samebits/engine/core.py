@@ -140,7 +140,7 @@ class EngineCore:
     def add_request(self, request_id: str | None, prompt, params: SamplingParams, index: int = 0) -> str:
         """Validate (ValueError naming the field) and queue one request's n samples; -> its id.
         RuntimeError while the weights are released or not all pushed since a resume."""
-        self.llm.weight_store.require_loaded("add_request")
+        self.check_runnable("add_request")
         ids = self.llm._validate(index, prompt, params)
         self.check_text(index, params)
         state = self.llm._prepare_states([prompt], [ids])[0]
@@ -165,8 +165,20 @@ class EngineCore:
                 "wait for them to finish or abort them first"
             )
 
+    def check_runnable(self, where: str) -> None:
+        """RuntimeError while a request could not run: KV cache or weights released, or weights
+        not all pushed since a resume (`release_memory_occupation` / `sleep`)."""
+        if self.llm.asleep:
+            raise RuntimeError(
+                f"{where}: the KV cache is released; resume_memory_occupation(['kv_cache']) "
+                "(or wake_up()) first"
+            )
+        self.llm.weight_store.require_loaded(where)
+
     def add_validated(self, request_id, index: int, ids: list[int], params: SamplingParams, state=None) -> str:
-        """Queue an already validated request's n samples; sample j gets `sample_seed(seed, j)`."""
+        """Queue an already validated request's n samples; sample j gets `sample_seed(seed, j)`.
+        RuntimeError (nothing queued) while `check_runnable` refuses."""
+        self.check_runnable("add_request")
         request_id = f"req-{next(self._auto_ids)}" if request_id is None else str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in flight")
