@@ -323,3 +323,38 @@ def test_disk_reload_release_and_resume_over_http(tiny, client):
     with pytest.raises(WeightSyncError, match="400.*model_path|400.*does not exist|400.*not"):
         client.update_weights_from_disk(str(tiny) + "-missing")
     assert client.weight_digests(list(files)) == files
+
+
+def _per_expert(params: dict, swap: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """The parameters under the hub's per-expert names (`swap`: gate and up exchanged)."""
+    pairs = []
+    for n, p in params.items():
+        prefix = n.rsplit(".", 1)[0]
+        if n.endswith("mlp.experts.gate_up_proj"):
+            half = p.shape[1] // 2
+            gate, up = ("up", "gate") if swap else ("gate", "up")
+            for e in range(p.shape[0]):
+                pairs += [
+                    (f"{prefix}.{e}.{gate}_proj.weight", p[e, :half]),
+                    (f"{prefix}.{e}.{up}_proj.weight", p[e, half:]),
+                ]
+        elif n.endswith("mlp.experts.down_proj"):
+            pairs += [(f"{prefix}.{e}.down_proj.weight", p[e]) for e in range(p.shape[0])]
+        else:
+            pairs.append((n, p))
+    return pairs
+
+
+def test_hub_per_expert_names_write_their_slices(tiny, client):
+    master = _trained(tiny)
+    with torch.no_grad():
+        for p in master.parameters():
+            p.mul_(0.8)
+    params = dict(master.named_parameters())
+    want = client.local_digests(params.items())
+    client.update_weights_from_distributed(_per_expert(params, swap=True))  # control: gate <-> up
+    assert client.weight_digests() != want
+    pairs = _per_expert(params)
+    assert any(".experts.3.up_proj.weight" in n for n, _ in pairs)
+    client.update_weights_from_distributed(pairs, bucket_bytes=1 << 14)
+    assert client.weight_digests() == want

@@ -19,6 +19,7 @@ SGLang's `init_custom_process_group` makes it.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import urllib.error
 import urllib.request
@@ -131,12 +132,10 @@ class Client:
         specs (ValueError naming the tensor), detached. fp32 master weights become bf16 here."""
         specs, out, seen = self.weight_specs(), [], set()
         for name, tensor in _pairs(named_tensors):
-            if name not in specs:
-                raise ValueError(f"{name}: the server has no such tensor (see Client.weight_specs())")
+            shape, dtype = _spec(specs, name)
             if name in seen:
                 raise ValueError(f"{name}: given twice")
             seen.add(name)
-            shape, dtype = specs[name]
             if tuple(tensor.shape) != shape:
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the server's is {shape}")
             out.append((name, tensor.detach().to(dtype).contiguous()))
@@ -231,6 +230,24 @@ class _Background:
         if self._error is not None:
             raise self._error
         return self._value
+
+
+_PER_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _spec(specs: dict, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+    """(shape, dtype) the server expects for `name`: one of its tensors, or a hub per-expert
+    name (its expert's slice of the fused gate_up_proj [E, 2I, H] / down_proj [E, H, I])."""
+    if name in specs:
+        return specs[name]
+    m = _PER_EXPERT.match(name)
+    fused = f"{m.group(1)}.{'down_proj' if m.group(3) == 'down' else 'gate_up_proj'}" if m else None
+    if fused not in specs:
+        raise ValueError(f"{name}: the server has no such tensor (see Client.weight_specs())")
+    (experts, rows, cols), dtype = specs[fused]
+    if int(m.group(2)) >= experts:
+        raise ValueError(f"{name}: expert {m.group(2)} of {experts}")
+    return ((rows // 2, cols) if m.group(3) != "down" else (rows, cols)), dtype
 
 
 def _pairs(named_tensors) -> list[tuple[str, torch.Tensor]]:
