@@ -36,5 +36,7 @@ def test_server_settings_are_checked_at_construction(tiny):
         rl.RLConfig(model=str(tiny), server="localhost:8000")
     with pytest.raises(ValueError, match="share_weights"):
         rl.RLConfig(model=str(tiny), server="spawn", share_weights=True)
+    with pytest.raises(ValueError, match="NCCL cannot put two ranks on one GPU"):
+        rl.RLConfig(model=str(tiny), server="spawn", device="cuda")
     with pytest.raises(ValueError, match="weight_sync"):
         rl.RLConfig(model=str(tiny), server="spawn", weight_sync="nccl")

@@ -125,6 +125,11 @@ class RLConfig:
                 raise ValueError(f"server must be 'spawn' or an http:// URL, got {self.server!r}")
             if self.share_weights:
                 raise ValueError("share_weights needs the engine in this process; it cannot go with server")
+            if self.server == "spawn" and self.device.startswith("cuda") and self.weight_sync == "distributed":
+                raise ValueError(
+                    "server='spawn' puts the server on this GPU, and NCCL cannot put two ranks on one GPU: "
+                    "use weight_sync='tensor' (CUDA IPC), or a server URL on other GPUs"
+                )
         if self.reward not in ("toy", "hash") and self.reward.count(":") != 1:
             raise ValueError(f"reward must be 'toy', 'hash' or 'module:function', got {self.reward!r}")
 
