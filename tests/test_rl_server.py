@@ -40,3 +40,10 @@ def test_server_settings_are_checked_at_construction(tiny):
         rl.RLConfig(model=str(tiny), server="spawn", device="cuda")
     with pytest.raises(ValueError, match="weight_sync"):
         rl.RLConfig(model=str(tiny), server="spawn", weight_sync="nccl")
+
+
+@pytest.mark.gpu
+def test_cuda_loop_through_a_server_on_the_same_gpu_by_ipc(tiny):
+    cfg = rl.RLConfig(model=str(tiny), device="cuda", server="spawn", weight_sync="tensor", **SMALL)
+    for r in rl.run(cfg, live=False):
+        assert all(r[k] == 0 for k in BITWISE), r
