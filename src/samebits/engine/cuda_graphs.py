@@ -109,24 +109,24 @@ class DecodeGraphs:
         return graph, outs
 
     def _fill(self, batch: ScheduledBatch, size: int, reqs: list[SampleRequest]) -> None:
-        bs, dummy, n = self.runner.block_size, self.dummy_block, len(batch.chunks)
-        ids, pos, slots = [], [], []
-        for c in batch.chunks:
-            p, table = c.start, c.seq.block_table
-            ids.append(c.seq.token_ids[p])
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
+        """Write the B = len(batch.chunks) rows' inputs into the static buffers of `size` rows:
+        per row three list reads, the rest as whole-batch tensor ops on the host rows."""
+        bs, chunks, n = self.runner.block_size, batch.chunks, len(batch.chunks)
+        pad = self.table_rows.padding
+        tables = torch.stack([self.table_rows.row(c.seq) for c in chunks] + [pad] * (size - n))  # [size, P]
+        pos = torch.tensor([c.start for c in chunks], dtype=torch.long)  # [B]
         temps, keys, random_row = row_inputs(reqs)
         rows = torch.zeros(6, size, dtype=torch.long)
-        rows[:3, :n] = torch.tensor([ids, pos, slots])
-        rows[2, n:] = dummy * bs
+        rows[0, :n] = torch.tensor([c.seq.token_ids[c.start] for c in chunks], dtype=torch.long)
+        rows[1, :n] = pos
+        rows[2] = self.dummy_block * bs
+        rows[2, :n] = tables[:n].gather(1, (pos // bs)[:, None])[:, 0].long() * bs + pos % bs  # cache slots
         rows[3:5, :n] = keys.t()
         rows[5, :n] = random_row.long()
         self.i64[:, :size].copy_(rows)
-        tables = [self.table_rows.row(c.seq) for c in batch.chunks]
-        self.block_tables[:size].copy_(torch.stack(tables + [self.table_rows.padding] * (size - n)))
+        self.block_tables[:size].copy_(tables)
         ctx = torch.ones(size, dtype=torch.int32)
-        ctx[:n] = rows[1, :n] + 1
+        ctx[:n] = pos + 1
         self.ctx_len[:size].copy_(ctx)
         self.temps[:size].copy_(torch.cat([temps, torch.ones(size - n)]))
 
@@ -146,23 +146,24 @@ class TableRows:
     """Each sequence's block table as a host int32 row of `pages` entries, padded with the
     dummy block, kept from step to step: a decoding sequence gains one block every
     block_size tokens, so its row is extended, not rebuilt (rebuilding 256 rows of 128
-    pages from Python lists took 2.6 ms a step). A row whose table is no longer an
-    extension of what it holds (freed by a preemption and allocated again) is rebuilt.
-    Rows live as long as their sequence (weak keys)."""
+    pages from Python lists took 2.6 ms a step). The block manager only ever appends to a
+    sequence's `block_table` list in place, and gives it a new list when it frees its blocks
+    (a preemption) or hands it cached ones, so a row whose list is no longer the one it was
+    built from is rebuilt. Rows live as long as their sequence (weak keys)."""
 
     def __init__(self, pages: int, dummy: int):
         self.pages, self.dummy = pages, dummy
         self.padding = torch.full((pages,), dummy, dtype=torch.int32)  # a padding row's table
-        self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # seq -> (known ids, row)
+        # seq -> [the block_table list the row was built from, its entries written, row]
+        self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def row(self, seq) -> torch.Tensor:
         table = seq.block_table
-        known, row = self._rows.get(seq, ((), None))
-        k = len(known)
-        if row is None or len(table) < k or table[:k] != known:
-            known, row, k = [], self.padding.clone(), 0
-            self._rows[seq] = (known, row)
+        kept = self._rows.get(seq)
+        if kept is None or kept[0] is not table or len(table) < kept[1]:
+            kept = self._rows[seq] = [table, 0, self.padding.clone()]
+        _, k, row = kept
         if len(table) > k:
             row[k : len(table)] = torch.tensor(table[k:], dtype=torch.int32)
-            known.extend(table[k:])
+            kept[1] = len(table)
         return row
