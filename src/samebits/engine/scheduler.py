@@ -7,24 +7,25 @@ scheduler keeps no reference to a finished sequence.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from samebits.engine.block_manager import BlockManager
 from samebits.engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledChunk:
-    """Compute tokens [start, start + num_tokens) of seq this step."""
+    """Compute tokens [start, start + num_tokens) of seq this step. `samples`: the chunk
+    reaches the last known token, so the next token is sampled (set at construction, before
+    the step appends that token; read several times per row per step)."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the last known token, so the next token is sampled."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == len(self.seq.token_ids)
 
 
 @dataclass
@@ -212,8 +213,9 @@ class Scheduler:
             seq.num_computed_tokens += chunk.num_tokens
             if not chunk.samples:
                 continue
-            token, logprob = sampled[seq.seq_id][:2]
-            seq.append_token(token, logprob)
+            out = sampled[seq.seq_id]
+            token = out[0]
+            seq.append_token(token, out[1])
             reason = self._finish_reason(seq, token)
             if reason:
                 seq.status = SequenceStatus.FINISHED
@@ -225,10 +227,10 @@ class Scheduler:
         return finished
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if seq.num_output_tokens >= p.max_tokens:
+        p, k = seq.params, seq.num_output_tokens
+        if k >= p.max_tokens:
             return "length"
-        if seq.num_output_tokens < p.min_tokens:
+        if k < p.min_tokens:
             return None
         if p.stop_token_ids and token in p.stop_token_ids:
             return "stop"
