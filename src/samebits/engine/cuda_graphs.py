@@ -56,9 +56,8 @@ class DecodeGraphs:
 
     def size_for(self, batch: ScheduledBatch) -> int | None:
         """The padded size that can run this batch as a graph, or None (run it eagerly)."""
-        if not all(c.num_tokens == 1 and c.samples for c in batch.chunks):
-            return None
-        if any(len(c.seq.block_table) > self.max_pages for c in batch.chunks):
+        pages = self.max_pages  # a decode step whose tables fit the static buffer
+        if not all(c.num_tokens == 1 and c.samples and len(c.seq.block_table) <= pages for c in batch.chunks):
             return None
         return next((s for s in self.sizes if s >= len(batch.chunks)), None)
 
@@ -115,7 +114,9 @@ class DecodeGraphs:
         the host, a torch op ~5 us), one copy per buffer."""
         bs, chunks, n = self.runner.block_size, batch.chunks, len(batch.chunks)
         pad = [self.table_rows.padding.numpy()] * (size - n)
-        tables = np.stack([self.table_rows.row(c.seq) for c in chunks] + pad)  # [size, P] int32
+        tables = np.concatenate([self.table_rows.row(c.seq) for c in chunks] + pad).reshape(
+            size, -1
+        )  # [size, P]
         pos = np.array([c.start for c in chunks], dtype=np.int64)  # [B]
         temps, keys, random_row = row_inputs(reqs)
         rows = np.zeros((6, size), dtype=np.int64)
@@ -151,20 +152,24 @@ class TableRows:
     pages from Python lists took 2.6 ms a step). The block manager only ever appends to a
     sequence's `block_table` list in place, and gives it a new list when it frees its blocks
     (a preemption) or hands it cached ones, so a row whose list is no longer the one it was
-    built from is rebuilt. Rows live as long as their sequence (weak keys)."""
+    built from is rebuilt. Rows live as long as their sequence."""
 
     def __init__(self, pages: int, dummy: int):
         self.pages, self.dummy = pages, dummy
         self.padding = torch.full((pages,), dummy, dtype=torch.int32)  # a padding row's table
-        # seq -> [the block_table list the row was built from, its entries written, the row]
-        self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # seq_id -> [the block_table list the row was built from, its entries written, the row];
+        # a plain dict (a WeakKeyDictionary lookup makes a weak reference each time), each
+        # entry dropped by a finalizer when its sequence is collected
+        self._rows: dict[int, list] = {}
 
     def row(self, seq) -> np.ndarray:
         """seq's row [pages] int32 (numpy: a torch setitem costs ~5 us, numpy's ~0.1 us)."""
         table = seq.block_table
-        kept = self._rows.get(seq)
+        kept = self._rows.get(seq.seq_id)
         if kept is None or kept[0] is not table or len(table) < kept[1]:
-            kept = self._rows[seq] = [table, 0, self.padding.numpy().copy()]
+            if kept is None:
+                weakref.finalize(seq, self._rows.pop, seq.seq_id, None)
+            kept = self._rows[seq.seq_id] = [table, 0, self.padding.numpy().copy()]
         _, k, row = kept
         if len(table) > k:
             row[k : len(table)] = table[k:]

@@ -109,12 +109,11 @@ def needs_host_rules(reqs: list[SampleRequest]) -> bool:
 
 def row_inputs(reqs: list[SampleRequest]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Host tensors of the rows' temperatures [N] f32, keys [N, 2] i64 and random flags [N]."""
-    # compared in float64, as the Python floats are: a positive temperature below float32's
-    # range still makes a random row (of temperature 0.0f)
-    given = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float64)
+    given = np.array([r.params.temperature for r in reqs], dtype=np.float64)  # the Python floats
     random_row = given > 0
-    temps = torch.where(random_row, given, 1.0).float()
-    return temps, row_keys([r.seed for r in reqs], [r.output_index for r in reqs]), random_row
+    temps = np.where(random_row, given, 1.0).astype(np.float32)  # rounded as torch.tensor rounds
+    keys = row_keys([r.seed for r in reqs], [r.output_index for r in reqs])
+    return torch.from_numpy(temps), keys, torch.from_numpy(random_row)
 
 
 def race(

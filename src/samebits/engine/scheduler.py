@@ -40,7 +40,7 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return sum([c.num_tokens for c in self.chunks])
 
 
 class Scheduler:
@@ -137,22 +137,23 @@ class Scheduler:
 
     def _schedule_running(self, chunks: list[ScheduledChunk], budget: int) -> tuple[int, bool]:
         """-> (budget left, whether anything was preempted)."""
-        preempted, block_size = False, self.blocks.block_size
+        preempted, block_size, publish = False, self.blocks.block_size, self.blocks.publish
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted for an earlier sequence
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if seq.num_computed_tokens + n <= len(seq.block_table) * block_size:  # its blocks hold it
+            start = seq.num_computed_tokens
+            end = min(len(seq.token_ids), start + budget)
+            if end <= len(seq.block_table) * block_size:  # its blocks hold it
                 placed = True  # (most decode steps: a new block is needed every block_size tokens)
             else:
-                placed, evicted = self._make_room(seq, seq.num_computed_tokens + n)
+                placed, evicted = self._make_room(seq, end)
                 preempted |= evicted
             if placed:
-                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
-                self.blocks.publish(seq, seq.num_computed_tokens + n)
-                budget -= n
+                chunks.append(ScheduledChunk(seq, start, end - start))
+                publish(seq, end)
+                budget -= end - start
         return budget, preempted
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
