@@ -237,9 +237,8 @@ class EngineCore:
         by_id = {c.seq.seq_id: out for c, out in zip(chunks, sampled, strict=True)}
         num_finished = len(sched.postprocess(batch, by_id)) + self._advance_watched(chunks, by_id)
         by_seq = self._by_seq
-        out = StepOutput(
-            list(dict.fromkeys([by_seq[c.seq.seq_id][0].request_id for c in chunks])), num_finished
-        )
+        touched = dict.fromkeys([by_seq[c.seq.seq_id][0].request_id for c in chunks])  # in batch order
+        out = StepOutput(list(touched), num_finished)
         self.stats.steps += 1
         self.stats.generated_tokens += len(chunks)
         self.stats.last_step_tokens = batch.num_tokens

@@ -113,17 +113,16 @@ class DecodeGraphs:
         per row a few list reads, the rest whole-batch numpy ops (a numpy op costs ~1 us on
         the host, a torch op ~5 us), one copy per buffer."""
         bs, chunks, n = self.runner.block_size, batch.chunks, len(batch.chunks)
-        pad = [self.table_rows.padding.numpy()] * (size - n)
-        tables = np.concatenate([self.table_rows.row(c.seq) for c in chunks] + pad).reshape(
-            size, -1
-        )  # [size, P]
+        kept, padding = self.table_rows, self.table_rows.padding.numpy()
+        tables = np.concatenate([kept.row(c.seq) for c in chunks] + [padding] * (size - n))
+        tables = tables.reshape(size, -1)  # [size, P] int32
         pos = np.array([c.start for c in chunks], dtype=np.int64)  # [B]
         temps, keys, random_row = row_inputs(reqs)
         rows = np.zeros((6, size), dtype=np.int64)
         rows[0, :n] = [c.seq.token_ids[c.start] for c in chunks]
         rows[1, :n] = pos
         rows[2] = self.dummy_block * bs
-        rows[2, :n] = tables[np.arange(n), pos // bs] * bs + pos % bs  # cache slots (int64)
+        rows[2, :n] = tables[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs  # cache slots
         rows[3:5, :n] = keys.numpy().T
         rows[5, :n] = random_row.numpy()
         ctx = np.ones(size, dtype=np.int32)

@@ -52,9 +52,8 @@ def row_keys(seeds: list[int], output_indices: list[int]) -> torch.Tensor:
     mask keeps the low 63 bits, so the products need no Python big ints."""
     s = np.array(seeds, dtype=np.uint64)  # seeds < 2**63, output indices small: both fit
     i = np.array(output_indices, dtype=np.uint64)
-    mixed = (s * np.uint64(0x9E3779B97F4A7C15) + i * np.uint64(0xBF58476D1CE4E5B9) + np.uint64(1)) & np.uint64(
-        _MASK64
-    )
+    mixed = s * np.uint64(0x9E3779B97F4A7C15) + i * np.uint64(0xBF58476D1CE4E5B9) + np.uint64(1)
+    mixed &= np.uint64(_MASK64)
     mixed ^= mixed >> np.uint64(31)
     keys = np.stack([mixed & np.uint64(_M32), mixed >> np.uint64(32)], axis=1)  # mixed < 2**63
     return torch.from_numpy(keys.astype(np.int64)).view(-1, 2)
