@@ -11,12 +11,16 @@ row, after filling the decode graphs' static inputs from the batch as the CUDA r
 host work a GPU step would wait on or overlap with, and nothing else. Prompts of `--context`
 tokens, `--steps` new tokens each; the first call warms up; ms per step is the mean of the
 second call's engine steps in which all `batch` rows decoded (`EngineCore.step`: schedule,
-the stub runner, postprocess, outputs), and the fill's share is printed beside it.
+the stub runner, postprocess, outputs), and the fill's share is printed beside it, with the
+share spent in Python's garbage collector during those steps (`gc.callbacks`). The mean
+includes every collection that lands in a measured step: a full (generation 2) collection
+scans the whole heap and takes tens of ms here, so a run where one lands shows it.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 from samebits import LLM, SamplingParams
@@ -24,12 +28,19 @@ from samebits.engine.cuda_graphs import DecodeGraphs, graph_sizes
 from samebits.model.tiny import tiny_checkpoint_cache
 
 
-def measure(batch: int, context: int, steps: int) -> tuple[float, float, int]:
-    """-> (ms per full-batch decode step, ms of it in the graph input fill, such steps)."""
+def measure(batch: int, context: int, steps: int) -> tuple[float, float, float, int]:
+    """-> (ms per full-batch decode step, ms of it in the graph input fill, ms of it in the
+    garbage collector, such steps)."""
     llm = LLM(tiny_checkpoint_cache(), max_num_seqs=batch, max_model_len=context + steps + 16)
     pages = -(-(context + steps + 16) // llm.engine.block_size)
     graphs = DecodeGraphs(llm.runner, graph_sizes(batch), pages, dummy_block=llm.block_manager.num_blocks)
-    acc = {"full": False, "fill": 0.0, "step": 0.0, "n": 0}
+    acc = {"full": False, "fill": 0.0, "step": 0.0, "n": 0, "in_step": False, "gc": 0.0, "gc_t0": 0.0}
+
+    def collected(phase, info):  # gc.callbacks: time in collections inside the counted steps
+        if phase == "start":
+            acc["gc_t0"] = time.perf_counter()
+        elif acc["in_step"]:
+            acc["gc"] += time.perf_counter() - acc["gc_t0"]
 
     def stub(b, reqs):  # the runner: the graphs' input fill, then one fixed sample per row
         size = graphs.size_for(b)
@@ -43,21 +54,29 @@ def measure(batch: int, context: int, steps: int) -> tuple[float, float, int]:
     core_step = llm.core.step
 
     def step():  # one engine step, counted when all `batch` rows decoded in it
-        t0 = time.perf_counter()
+        t0, gc0 = time.perf_counter(), acc["gc"]
+        acc["in_step"] = True
         out = core_step()
+        acc["in_step"] = False
         if acc["full"]:
             acc["step"] += time.perf_counter() - t0
             acc["n"] += 1
+        else:
+            acc["gc"] = gc0  # a collection in an uncounted step
         return out
 
     llm.runner.run, llm.core.step = stub, step
     prompts = [[(i * 31 + j) % 250 + 1 for j in range(context)] for i in range(batch)]
     params = SamplingParams(max_tokens=steps, ignore_eos=True, seed=1, detokenize=False)
     llm.generate(prompts, params, progress=False)  # warm-up
-    acc.update(fill=0.0, step=0.0, n=0)
-    llm.generate(prompts, params, progress=False)
+    acc.update(fill=0.0, step=0.0, n=0, gc=0.0)
+    gc.callbacks.append(collected)
+    try:
+        llm.generate(prompts, params, progress=False)
+    finally:
+        gc.callbacks.remove(collected)
     n = max(acc["n"], 1)
-    return 1000 * acc["step"] / n, 1000 * acc["fill"] / n, acc["n"]
+    return 1000 * acc["step"] / n, 1000 * acc["fill"] / n, 1000 * acc["gc"] / n, acc["n"]
 
 
 def main() -> None:
@@ -66,10 +85,10 @@ def main() -> None:
     p.add_argument("--context", type=int, default=16, help="prompt tokens (default 16)")
     p.add_argument("--steps", type=int, default=128, help="new tokens per request (default 128)")
     args = p.parse_args()
-    print(f"{'batch':>6} {'full steps':>10} {'ms/step':>8} {'fill ms':>8}")
+    print(f"{'batch':>6} {'full steps':>10} {'ms/step':>8} {'fill ms':>8} {'gc ms':>8}")
     for b in (int(x) for x in args.batches.split(",")):
-        ms, fill_ms, n = measure(b, args.context, args.steps)
-        print(f"{b:>6} {n:>10} {ms:>8.3f} {fill_ms:>8.3f}")
+        ms, fill_ms, gc_ms, n = measure(b, args.context, args.steps)
+        print(f"{b:>6} {n:>10} {ms:>8.3f} {fill_ms:>8.3f} {gc_ms:>8.3f}")
 
 
 if __name__ == "__main__":

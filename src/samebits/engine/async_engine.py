@@ -189,11 +189,11 @@ class AsyncEngine:
 
     def _step(self) -> None:
         try:
-            deltas = self.core.step()
+            done = self.core.step()
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the server
             self._fail_all(f"a step failed: {e!r}")
             return
-        for request_id in dict.fromkeys(d.request_id for d in deltas):
+        for request_id in done.request_ids:
             self._publish(request_id)
 
     def _publish(self, request_id: str) -> None:

@@ -59,16 +59,14 @@ class RequestOutput:
         return all(o.finish_reason is not None for o in self.outputs)
 
 
-@dataclass(frozen=True)
-class Delta:
-    """What one sample gained in one step: new tokens, their log-probs, and its finish
-    reason on the step it finished."""
+@dataclass
+class StepOutput:
+    """What one step did: the requests some of whose samples gained a token (each once, in
+    batch order; their tokens, log-probs and text are on the core: `output`, `progress`)
+    and how many samples finished in it."""
 
-    request_id: str
-    sample: int
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str | None
+    request_ids: list[str]
+    num_finished: int
 
 
 @dataclass
@@ -122,6 +120,9 @@ class EngineCore:
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, tuple[_Request, int]] = {}  # seq_id -> (request, sample index)
+        # seq_id -> (request, sample index), only for samples whose tokens need more than the
+        # scheduler's bookkeeping each step (a detokenizer or top log-probs): `_advance`
+        self._watched: dict[int, tuple[_Request, int]] = {}
         self._auto_ids = itertools.count()
         self._tokenizer = None
         self._tokenizer_loaded = False
@@ -196,6 +197,8 @@ class EngineCore:
         self._requests[request_id] = req
         for j, seq in enumerate(req.seqs):
             self._by_seq[seq.seq_id] = (req, j)
+            if params.logprobs or req.detoks[j] is not None:
+                self._watched[seq.seq_id] = (req, j)
             self.llm.scheduler.add(seq)
         return request_id
 
@@ -224,6 +227,7 @@ class EngineCore:
         self.llm.scheduler.abort_all()
         self._requests.clear()
         self._by_seq.clear()
+        self._watched.clear()
 
     def has_unfinished(self) -> bool:
         return self.llm.scheduler.has_unfinished()
@@ -233,19 +237,22 @@ class EngineCore:
 
     # -- one step -------------------------------------------------------------------------
 
-    def step(self) -> list[Delta]:
-        """Schedule -> run -> postprocess one batch; -> what each sampled sequence gained."""
+    def step(self) -> StepOutput:
+        """Schedule -> run -> postprocess one batch; -> the requests that gained tokens."""
         sched = self.llm.scheduler
         if not sched.has_unfinished():
-            return []
+            return StepOutput([], 0)
         t0 = time.perf_counter()
         batch = sched.schedule()
         chunks = [c for c in batch.chunks if c.samples]
-        reqs = [self.llm._sample_request(c.seq) for c in chunks]
+        sample_request = self.llm._sample_request
+        reqs = [sample_request(c.seq) for c in chunks]
         sampled = self.llm.runner.run(batch, reqs)
         by_id = {c.seq.seq_id: out for c, out in zip(chunks, sampled, strict=True)}
-        sched.postprocess(batch, by_id)
-        deltas = [self._advance(c.seq, by_id[c.seq.seq_id]) for c in chunks]
+        num_finished = len(sched.postprocess(batch, by_id)) + self._advance_watched(chunks, by_id)
+        by_seq = self._by_seq
+        touched = dict.fromkeys([by_seq[c.seq.seq_id][0].request_id for c in chunks])  # in batch order
+        out = StepOutput(list(touched), num_finished)
         self.stats.steps += 1
         self.stats.generated_tokens += len(chunks)
         self.stats.last_step_tokens = batch.num_tokens
@@ -253,13 +260,23 @@ class EngineCore:
         self.stats.prefix_cache_hits += batch.prefix_cache_hits
         self.stats.last_step_seconds = time.perf_counter() - t0
         self.stats.step_seconds += self.stats.last_step_seconds
-        return deltas
+        return out
 
-    def _advance(self, seq: Seq, out: tuple) -> Delta:
-        req, j = self._by_seq[seq.seq_id]
+    def _advance_watched(self, chunks: list, by_id: dict[int, tuple]) -> int:
+        """`_advance` the watched samples among the sampled chunks, in chunk order; -> how
+        many a stop string finished. Most rows (no text, no top log-probs) cost nothing here."""
+        if not self._watched:
+            return 0
+        watched = [c.seq for c in chunks if c.seq.seq_id in self._watched]
+        return sum(self._advance(seq, by_id[seq.seq_id]) for seq in watched)
+
+    def _advance(self, seq: Seq, out: tuple) -> bool:
+        """Keep a watched sample's top log-probs and text; -> whether a stop string in its
+        text finished it now (a sample the scheduler finished was counted there)."""
+        req, j = self._watched[seq.seq_id]
         if req.params.logprobs:
             req.tops[j].append(out[2])
-        detok = req.detoks[j]
+        detok, stopped_now = req.detoks[j], False
         if detok is not None:
             detok.add(out[0])
             if detok.stopped is not None:
@@ -267,9 +284,10 @@ class EngineCore:
                     seq.finish_reason = "stop"
                 else:
                     self.llm.scheduler.finish(seq, "stop")
+                    stopped_now = True
             if seq.is_finished:
                 detok.finish()
-        return Delta(req.request_id, j, [out[0]], [out[1]], seq.finish_reason if seq.is_finished else None)
+        return stopped_now
 
     # -- results --------------------------------------------------------------------------
 
@@ -326,4 +344,5 @@ class EngineCore:
         req = self._requests.pop(request_id)
         for seq in req.seqs:
             self._by_seq.pop(seq.seq_id, None)
+            self._watched.pop(seq.seq_id, None)
         return out

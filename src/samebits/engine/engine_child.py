@@ -183,14 +183,14 @@ class _Loop:
 
     def _step(self) -> list[str]:
         try:
-            deltas = self.core.step()
+            done = self.core.step()
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the engine
             failed = [(r, None, 0, f"a step failed: {e!r}") for r in self.sent]
             self.core.abort_all()
             self.sent.clear()
             self._send(("step", failed, stats(self.llm)))
             return []
-        return list(dict.fromkeys(d.request_id for d in deltas))
+        return done.request_ids
 
     def _publish(self, touched: list[str]) -> None:
         updates = []

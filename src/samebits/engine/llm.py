@@ -244,18 +244,17 @@ class LLM:
     def _steps(self, bar) -> None:
         """Engine-core steps until every request is done."""
         while self.core.has_unfinished():
-            deltas = self.core.step()
+            done = self.core.step()
             if bar:
-                bar.advance(sum(d.finish_reason is not None for d in deltas), self.core.stats.last_step_tokens)
+                bar.advance(done.num_finished, self.core.stats.last_step_tokens)
 
     def _sample_request(self, seq: Seq) -> SampleRequest:
-        sp = seq.params
-        banned: tuple[int, ...] = ()
-        if seq.num_output_tokens < sp.min_tokens:
-            stops = tuple(sp.stop_token_ids or ())
-            banned = stops + (() if sp.ignore_eos else tuple(self.config.eos_token_id))
-        banned += self.family.never_sample
-        return SampleRequest(sp, seq.seed, seq.num_output_tokens, banned)
+        sp, k = seq.params, seq.num_output_tokens
+        if k >= sp.min_tokens:  # (almost every row: nothing banned but the family's own)
+            return SampleRequest(sp, seq.seed, k, self.family.never_sample)
+        stops = tuple(sp.stop_token_ids or ())  # before min_tokens: no stop tokens, no eos
+        banned = stops + (() if sp.ignore_eos else tuple(self.config.eos_token_id))
+        return SampleRequest(sp, seq.seed, k, banned + self.family.never_sample)
 
     # -- colocation -----------------------------------------------------------------------
 

@@ -15,8 +15,9 @@ its result is (token, log-prob, [(token, log-prob), ...]) instead of (token, log
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from samebits.numerics.ops import reported_logprobs
@@ -25,9 +26,9 @@ from samebits.requests import SamplingParams
 _MASK64 = (1 << 63) - 1
 
 
-@dataclass(frozen=True)
-class SampleRequest:
-    """One row to sample: its settings, its seed, how many tokens it already has."""
+class SampleRequest(NamedTuple):
+    """One row to sample: its settings, its seed, how many tokens it already has. (A named
+    tuple: one is made per row per step, and it builds in half a frozen dataclass's time.)"""
 
     params: SamplingParams
     seed: int
@@ -43,6 +44,19 @@ def _row_keys(seed: int, output_index: int) -> tuple[int, int]:
     mixed = (seed * 0x9E3779B97F4A7C15 + output_index * 0xBF58476D1CE4E5B9 + 1) & _MASK64
     mixed ^= mixed >> 31
     return mixed & _M32, (mixed >> 32) & _M32
+
+
+def row_keys(seeds: list[int], output_indices: list[int]) -> torch.Tensor:
+    """`_row_keys` of N rows at once -> keys [N, 2] int64, the same bits. numpy's uint64
+    arithmetic wraps modulo 2**64 (defined, unlike torch's signed int64 overflow), and the
+    mask keeps the low 63 bits, so the products need no Python big ints."""
+    s = np.array(seeds, dtype=np.uint64)  # seeds < 2**63, output indices small: both fit
+    i = np.array(output_indices, dtype=np.uint64)
+    mixed = s * np.uint64(0x9E3779B97F4A7C15) + i * np.uint64(0xBF58476D1CE4E5B9) + np.uint64(1)
+    mixed &= np.uint64(_MASK64)
+    mixed ^= mixed >> np.uint64(31)
+    keys = np.stack([mixed & np.uint64(_M32), mixed >> np.uint64(32)], axis=1)  # mixed < 2**63
+    return torch.from_numpy(keys.astype(np.int64)).view(-1, 2)
 
 
 def _fmix(x: torch.Tensor) -> torch.Tensor:
@@ -94,9 +108,11 @@ def needs_host_rules(reqs: list[SampleRequest]) -> bool:
 
 def row_inputs(reqs: list[SampleRequest]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Host tensors of the rows' temperatures [N] f32, keys [N, 2] i64 and random flags [N]."""
-    temps = torch.tensor([r.params.temperature if r.params.temperature > 0 else 1.0 for r in reqs])
-    keys = torch.tensor([_row_keys(r.seed, r.output_index) for r in reqs], dtype=torch.int64).view(-1, 2)
-    return temps.float(), keys, torch.tensor([r.params.temperature > 0 for r in reqs])
+    given = np.array([r.params.temperature for r in reqs], dtype=np.float64)  # the Python floats
+    random_row = given > 0
+    temps = np.where(random_row, given, 1.0).astype(np.float32)  # rounded as torch.tensor rounds
+    keys = row_keys([r.seed for r in reqs], [r.output_index for r in reqs])
+    return torch.from_numpy(temps), keys, torch.from_numpy(random_row)
 
 
 def race(

@@ -7,24 +7,25 @@ scheduler keeps no reference to a finished sequence.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from samebits.engine.block_manager import BlockManager
 from samebits.engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledChunk:
-    """Compute tokens [start, start + num_tokens) of seq this step."""
+    """Compute tokens [start, start + num_tokens) of seq this step. `samples`: the chunk
+    reaches the last known token, so the next token is sampled (set at construction, before
+    the step appends that token; read several times per row per step)."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the last known token, so the next token is sampled."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == len(self.seq.token_ids)
 
 
 @dataclass
@@ -39,7 +40,7 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return sum([c.num_tokens for c in self.chunks])
 
 
 class Scheduler:
@@ -136,22 +137,23 @@ class Scheduler:
 
     def _schedule_running(self, chunks: list[ScheduledChunk], budget: int) -> tuple[int, bool]:
         """-> (budget left, whether anything was preempted)."""
-        preempted, block_size = False, self.blocks.block_size
+        preempted, block_size, publish = False, self.blocks.block_size, self.blocks.publish
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted for an earlier sequence
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if seq.num_computed_tokens + n <= len(seq.block_table) * block_size:  # its blocks hold it
+            start = seq.num_computed_tokens
+            end = min(len(seq.token_ids), start + budget)
+            if end <= len(seq.block_table) * block_size:  # its blocks hold it
                 placed = True  # (most decode steps: a new block is needed every block_size tokens)
             else:
-                placed, evicted = self._make_room(seq, seq.num_computed_tokens + n)
+                placed, evicted = self._make_room(seq, end)
                 preempted |= evicted
             if placed:
-                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
-                self.blocks.publish(seq, seq.num_computed_tokens + n)
-                budget -= n
+                chunks.append(ScheduledChunk(seq, start, end - start))
+                publish(seq, end)
+                budget -= end - start
         return budget, preempted
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
@@ -212,8 +214,9 @@ class Scheduler:
             seq.num_computed_tokens += chunk.num_tokens
             if not chunk.samples:
                 continue
-            token, logprob = sampled[seq.seq_id][:2]
-            seq.append_token(token, logprob)
+            out = sampled[seq.seq_id]
+            token = out[0]
+            seq.append_token(token, out[1])
             reason = self._finish_reason(seq, token)
             if reason:
                 seq.status = SequenceStatus.FINISHED
@@ -225,10 +228,10 @@ class Scheduler:
         return finished
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if seq.num_output_tokens >= p.max_tokens:
+        p, k = seq.params, seq.num_output_tokens
+        if k >= p.max_tokens:
             return "length"
-        if seq.num_output_tokens < p.min_tokens:
+        if k < p.min_tokens:
             return None
         if p.stop_token_ids and token in p.stop_token_ids:
             return "stop"
