@@ -358,3 +358,16 @@ def test_hub_per_expert_names_write_their_slices(tiny, client):
     assert any(".experts.3.up_proj.weight" in n for n, _ in pairs)
     client.update_weights_from_distributed(pairs, bucket_bytes=1 << 14)
     assert client.weight_digests() == want
+
+
+def test_weight_version_follows_successful_updates_only(tiny, client):
+    master = _trained(tiny)
+    client.update_weights_from_distributed(
+        master.named_parameters(), bucket_bytes=1 << 14, weight_version="step-7"
+    )
+    assert client.get_weight_version() == "step-7"
+    with torch.no_grad():
+        dict(master.named_parameters())["lm_head.weight"][0, 0] = float("inf")
+    with pytest.raises(WeightSyncError, match="lm_head.weight"):
+        client.update_weights_from_tensor(master.named_parameters(), weight_version="step-8")
+    assert client.get_weight_version() == "step-7"  # a refused update does not move it

@@ -148,23 +148,26 @@ class Client:
         bucket_bytes: int | None = None,
         abort_all_requests: bool = False,
         checked: bool = True,
+        weight_version: str | None = None,
     ) -> list[str]:
         """Broadcast the tensors to the server through the group -> the server's messages.
 
         One request per bucket of at most `bucket_bytes` (None: one request, so the update is
         all or nothing; each bucket is all or nothing on its own). `checked=False` skips the
-        local check against /weight_specs (the server still checks before receiving)."""
+        local check against /weight_specs (the server still checks before receiving).
+        `weight_version`: what /get_weight_version reports once the last bucket landed."""
         pg, backend = self._group(group_name)
         pairs = self.prepare(named_tensors) if checked else [(n, t.detach()) for n, t in _pairs(named_tensors)]
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        messages = []
-        for bucket in _buckets(pairs, bucket_bytes):
+        messages, buckets = [], _buckets(pairs, bucket_bytes)
+        for i, bucket in enumerate(buckets):
             body = {
                 "names": [n for n, _ in bucket],
                 "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
                 "shapes": [list(t.shape) for _, t in bucket],
                 "group_name": group_name,
                 "abort_all_requests": abort_all_requests,
+                "weight_version": weight_version if i == len(buckets) - 1 else None,
             }
             answer = _Background(self.post, "/update_weights_from_distributed", body)
             for _, tensor in bucket:
@@ -172,17 +175,26 @@ class Client:
             messages.append(answer.result()["message"])
         return messages
 
-    def update_weights_from_tensor(self, named_tensors, abort_all_requests: bool = False) -> str:
+    def update_weights_from_tensor(
+        self, named_tensors, abort_all_requests: bool = False, weight_version: str | None = None
+    ) -> str:
         """Hand a colocated server the tensors by reference (CUDA IPC; shared files on the
         CPU) -> its message. The tensors are kept alive until the server has copied them."""
         pairs = self.prepare(named_tensors)
-        body = {"serialized_named_tensors": [ipc.serialize(pairs)], "abort_all_requests": abort_all_requests}
+        body = {
+            "serialized_named_tensors": [ipc.serialize(pairs)],
+            "abort_all_requests": abort_all_requests,
+            "weight_version": weight_version,
+        }
         answer = self.post("/update_weights_from_tensor", body)
         del pairs  # only now may the memory go
         return answer["message"]
 
-    def update_weights_from_disk(self, model_path: str, abort_all_requests: bool = False) -> str:
+    def update_weights_from_disk(
+        self, model_path: str, abort_all_requests: bool = False, weight_version: str | None = None
+    ) -> str:
         body = {"model_path": str(model_path), "abort_all_requests": abort_all_requests}
+        body["weight_version"] = weight_version
         return self.post("/update_weights_from_disk", body)["message"]
 
     def weight_digests(self, names: Iterable[str] | None = None, kind: str = "sha256") -> dict[str, str]:
@@ -193,6 +205,15 @@ class Client:
     def local_digests(self, named_tensors, kind: str = "sha256") -> dict[str, str]:
         """The same digests of what `prepare` would send (cast to the server's dtypes)."""
         return {name: tensor_digest(t, kind) for name, t in self.prepare(named_tensors)}
+
+    def get_weight_version(self) -> str:
+        """The `weight_version` of the last update that carried one ("default" before)."""
+        req = urllib.request.Request(self.base_url + "/get_weight_version", method="GET")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return json.loads(resp.read())["weight_version"]
+        except urllib.error.URLError as e:
+            raise WeightSyncError(f"GET /get_weight_version: {e}") from None
 
     def flush_cache(self) -> None:
         self.post("/flush_cache")

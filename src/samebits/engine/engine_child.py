@@ -24,7 +24,13 @@ from collections import deque
 
 from samebits.weights.receiver import WeightReceiver
 
-IMMEDIATE = ("init_weights_update_group", "destroy_weights_update_group", "weight_digests", "weight_specs")
+IMMEDIATE = (
+    "init_weights_update_group",
+    "destroy_weights_update_group",
+    "weight_digests",
+    "weight_specs",
+    "get_weight_version",
+)
 WAIT_IDLE = (
     "update_weights_from_distributed",
     "update_weights_from_tensor",
@@ -92,6 +98,7 @@ class _Loop:
         self.send_lock = threading.Lock()
         self.calls: deque[tuple] = deque()  # WAIT_IDLE calls waiting for the engine to drain
         self.held: list[tuple] = []  # adds that arrived behind them
+        self.weight_version = "default"  # SGLang's name for weights nobody versioned
 
     def run(self) -> None:
         with self.llm.runner.profile.context():
@@ -168,12 +175,18 @@ class _Loop:
     def _run_call(self, call_id: int, method: str, kwargs: dict) -> None:
         waited = kwargs.pop("_waited", 0)
         aborted = kwargs.pop("abort_all_requests", False)
+        version = kwargs.pop("weight_version", None)
+        if method == "get_weight_version":
+            self._reply(call_id, True, {"weight_version": self.weight_version})
+            return
         target = self.receiver if hasattr(self.receiver, method) else self.llm
         try:
             value = getattr(target, method)(**kwargs)
         except Exception as e:  # noqa: BLE001 - the caller gets it; the engine goes on
             self._reply(call_id, False, (type(e).__name__, _message(e)))
             return
+        if version is not None:  # SGLang's: the version the trainer gave its weights
+            self.weight_version = version
         if waited and isinstance(value, str | None):  # say what happened to the requests in flight
             how = "were aborted" if aborted else "finished on the old weights first"
             value = f"{value or 'done'} ({waited} requests in flight {how})"

@@ -6,6 +6,7 @@ SGLang (slime, AReaL, verl's and OpenRLHF's SGLang paths) drives samebits unchan
 - POST /init_weights_update_group, /destroy_weights_update_group
 - POST /update_weights_from_distributed, /update_weights_from_tensor, /update_weights_from_disk
 - POST /release_memory_occupation, /resume_memory_occupation, /flush_cache
+- GET /get_weight_version: the `weight_version` the last successful update carried
 - POST /weight_digests (samebits'): a digest of each named tensor, so a trainer can check a sync;
   POST /weight_specs (samebits'): each tensor's shape and dtype, so a client checks an update
   before it broadcasts anything.
@@ -108,17 +109,15 @@ def register(app: FastAPI, engine) -> None:
 
     @app.post("/update_weights_from_distributed")
     async def from_distributed(body: UpdateFromDistributed):
-        return await _run(
-            engine, "update_weights_from_distributed", **body.model_dump(exclude={"weight_version"})
-        )
+        return await _run(engine, "update_weights_from_distributed", **body.model_dump())
 
     @app.post("/update_weights_from_tensor")
     async def from_tensor(body: UpdateFromTensor):
-        return await _run(engine, "update_weights_from_tensor", **body.model_dump(exclude={"weight_version"}))
+        return await _run(engine, "update_weights_from_tensor", **body.model_dump())
 
     @app.post("/update_weights_from_disk")
     async def from_disk(body: UpdateFromDisk):
-        kwargs = body.model_dump(exclude={"weight_version", "flush_cache", "load_format"})
+        kwargs = body.model_dump(exclude={"flush_cache", "load_format"})
         if body.load_format not in (None, "auto", "safetensors"):
             return _answer(False, f"load_format: {body.load_format!r} is not supported (safetensors only)", 400)
         return await _run(engine, "update_weights_from_disk", **kwargs)
@@ -134,6 +133,10 @@ def register(app: FastAPI, engine) -> None:
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         return await _run(engine, "flush_cache")
+
+    @app.get("/get_weight_version")
+    async def weight_version():
+        return await _run(engine, "get_weight_version")
 
     @app.post("/weight_digests")
     async def weight_digests(body: Names):
