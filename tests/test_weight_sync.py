@@ -371,3 +371,28 @@ def test_weight_version_follows_successful_updates_only(tiny, client):
     with pytest.raises(WeightSyncError, match="lm_head.weight"):
         client.update_weights_from_tensor(master.named_parameters(), weight_version="step-8")
     assert client.get_weight_version() == "step-7"  # a refused update does not move it
+
+
+def test_a_pickle_that_is_not_tensors_is_refused_and_runs_nothing(client, tmp_path):
+    """The IPC body is unpickled in the engine: anything but tensors is refused by name, so a
+    request body cannot run code there (control: the same pickle loads with a plain unpickler)."""
+    import base64
+    import os
+    import pickle
+
+    marker = tmp_path / "ran"
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    evil = base64.b64encode(pickle.dumps([("x", Evil())])).decode()
+    before = client.weight_digests()
+    with pytest.raises(WeightSyncError, match="400.*only tensors may be sent"):
+        client.post("/update_weights_from_tensor", {"serialized_named_tensors": [evil]})
+    with pytest.raises(WeightSyncError, match="400.*not a serialized tensor list"):
+        client.post("/update_weights_from_tensor", {"serialized_named_tensors": ["not base64!"]})
+    with pytest.raises(WeightSyncError, match="400"):
+        client.post("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [], "typo": 1})
+    assert not marker.exists() and client.weight_digests() == before
+    pickle.loads(base64.b64decode(evil))  # control: a plain unpickler runs it
+    assert marker.exists()
