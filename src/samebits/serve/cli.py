@@ -16,8 +16,11 @@ def add_parser(sub) -> None:
         "serve",
         help="serve a checkpoint over HTTP: OpenAI /v1/completions and /v1/chat/completions, SGLang /generate",
         description="Runs the engine in a process of its own behind FastAPI + uvicorn. Endpoints: /health, "
-        "/v1/models, /v1/completions, /v1/chat/completions, /generate, /abort_request, /metrics "
-        "(docs/serve.md). Logs one line when ready. With no --model: the built-in tiny model with a "
+        "/v1/models, /v1/completions, /v1/chat/completions, /generate, /abort_request, /metrics; "
+        "and SGLang's weight sync for a trainer in another process: /init_weights_update_group, "
+        "/update_weights_from_distributed, /update_weights_from_tensor, /update_weights_from_disk, "
+        "/release_memory_occupation, /resume_memory_occupation, /flush_cache, /get_weight_version, "
+        "plus /weight_digests and /weight_specs (docs/serve.md). Logs one line when ready. With no --model: the built-in tiny model with a "
         "tiny byte-level tokenizer (CPU).",
     )
     s.add_argument(
