@@ -20,7 +20,8 @@ def add_parser(sub) -> None:
         "and SGLang's weight sync for a trainer in another process: /init_weights_update_group, "
         "/update_weights_from_distributed, /update_weights_from_tensor, /update_weights_from_disk, "
         "/release_memory_occupation, /resume_memory_occupation, /flush_cache, /get_weight_version, "
-        "plus /weight_digests and /weight_specs (docs/serve.md). Logs one line when ready. With no --model: the built-in tiny model with a "
+        "plus /weight_digests and /weight_specs (docs/serve.md). Logs one line when ready. "
+        "With no --model: the built-in tiny model with a "
         "tiny byte-level tokenizer (CPU).",
     )
     s.add_argument(
