@@ -381,6 +381,7 @@ def test_a_pickle_that_is_not_tensors_is_refused_and_runs_nothing(client, tmp_pa
     import pickle
 
     marker = tmp_path / "ran"
+
     class Evil:
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
