@@ -366,6 +366,7 @@ def test_weight_version_follows_successful_updates_only(tiny, client):
         master.named_parameters(), bucket_bytes=1 << 14, weight_version="step-7"
     )
     assert client.get_weight_version() == "step-7"
+    assert client.generate(PROMPT, {"max_new_tokens": 2})["meta_info"]["weight_version"] == "step-7"
     with torch.no_grad():
         dict(master.named_parameters())["lm_head.weight"][0, 0] = float("inf")
     with pytest.raises(WeightSyncError, match="lm_head.weight"):

@@ -53,6 +53,9 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     request_id: str | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
+    # SGLang's: the `weight_version` of the weights the request ran on (engine process only;
+    # a request never spans a weight update there)
+    weight_version: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -206,7 +206,7 @@ class _Loop:
             failed = [(r, None, 0, f"a step failed: {e!r}") for r in self.sent]
             self.core.abort_all()
             self.sent.clear()
-            self._send(("step", failed, stats(self.llm)))
+            self._send(("step", failed, self._stats()))
             return []
         return done.request_ids
 
@@ -218,7 +218,10 @@ class _Loop:
             if self.core.is_finished(request_id):
                 self.core.pop(request_id)
                 del self.sent[request_id]
-        self._send(("step", updates, stats(self.llm)))
+        self._send(("step", updates, self._stats()))
+
+    def _stats(self) -> dict:
+        return stats(self.llm) | {"weight_version": self.weight_version}
 
 
 def _message(e: BaseException) -> str:

@@ -60,8 +60,9 @@ class _Request:
         self.tops: list[list] | None = [[] for _ in range(n)] if k else None
         self.text, self.finish = [""] * n, [None] * n
         self.preemptions = 0
+        self.weight_version: str | None = None
 
-    def apply(self, parts: list[tuple], preemptions: int) -> RequestOutput:
+    def apply(self, parts: list[tuple], preemptions: int, weight_version: str | None) -> RequestOutput:
         for j, (ids, lps, tops, text, finish) in enumerate(parts):
             self.ids[j] += ids
             self.lps[j] += lps
@@ -69,6 +70,7 @@ class _Request:
                 self.tops[j] += tops
             self.text[j], self.finish[j] = text, finish
         self.preemptions = preemptions
+        self.weight_version = weight_version
         return self.output()
 
     def output(self) -> RequestOutput:
@@ -95,6 +97,7 @@ class _Request:
             top_logprobs=first.top_logprobs,
             request_id=self.request_id,
             outputs=outs,
+            weight_version=self.weight_version,
         )
 
 
@@ -286,7 +289,7 @@ class EngineProcess:
                 if failed is not None:  # a step failed: its requests fail, the engine goes on
                     item = EngineDeadError(failed)
                 else:
-                    item = req.apply(parts, preemptions)
+                    item = req.apply(parts, preemptions, stats.get("weight_version"))
                 if failed is not None or item.finished:
                     del self._requests[request_id]
                 items.append((req, item))

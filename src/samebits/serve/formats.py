@@ -164,6 +164,8 @@ def sglang_output(request: RequestOutput, out: CompletionOutput, return_logprob:
         "prompt_tokens": len(request.prompt_token_ids),
         "completion_tokens": len(out.token_ids),
     }
+    if request.weight_version is not None:
+        meta["weight_version"] = request.weight_version
     if return_logprob:
         meta["output_token_logprobs"] = [
             [finite(v), t, None] for v, t in zip(out.logprobs.tolist(), out.token_ids, strict=True)
