@@ -47,3 +47,17 @@ def test_cuda_loop_through_a_server_on_the_same_gpu_by_ipc(tiny):
     cfg = rl.RLConfig(model=str(tiny), device="cuda", server="spawn", weight_sync="tensor", **SMALL)
     for r in rl.run(cfg, live=False):
         assert all(r[k] == 0 for k in BITWISE), r
+
+
+def test_a_running_server_by_url(tiny):
+    """`--server URL`: the loop joins a server someone else started (as a framework would),
+    and leaves it running."""
+    from serve_server import Server
+
+    server = Server(tiny, "--max-num-seqs", "4", "--max-model-len", "64")
+    try:
+        rows = rl.run(rl.RLConfig(model=str(tiny), server=server.url, **SMALL), live=False)
+        assert all(r[k] == 0 for r in rows for k in BITWISE)
+        assert server.proc.poll() is None  # still serving after the run
+    finally:
+        server.stop()
