@@ -398,3 +398,10 @@ def test_a_pickle_that_is_not_tensors_is_refused_and_runs_nothing(client, tmp_pa
     assert not marker.exists() and client.weight_digests() == before
     pickle.loads(base64.b64decode(evil))  # control: a plain unpickler runs it
     assert marker.exists()
+
+
+def test_a_refused_join_answers_at_once_on_the_trainer_side(client):
+    """The server refuses (the group name is taken): the trainer's call raises its message at
+    once instead of waiting out the 30-minute rendezvous it started."""
+    with pytest.raises(WeightSyncError, match="already exists"):
+        client.init_weights_update_group("127.0.0.1", _free_port(), backend="gloo")

@@ -96,13 +96,14 @@ class Client:
             "backend": backend,
         }
         answer = _Background(self.post, "/init_weights_update_group", body)
-        try:
-            pg = groups.init_custom_process_group(
-                backend, master_address, master_port, world_size, 0, group_name
-            )
-        except Exception:
-            answer.result(timeout=5)  # the server's refusal says more than a rendezvous timeout
-            raise
+        joined = _Background(
+            groups.init_custom_process_group, backend, master_address, master_port, world_size, 0, group_name
+        )
+        while not joined.done():  # a server that refuses answers at once: do not wait out the rendezvous
+            if answer.done() and answer.failed():
+                answer.result()  # raises the server's message (the rendezvous thread is left to time out)
+            joined.wait(0.05)
+        pg = joined.result()
         answer.result()
         self.groups[group_name] = (pg, backend)
         return pg
@@ -243,6 +244,15 @@ class _Background:
             self._value = fn(*args)
         except BaseException as e:  # noqa: BLE001 - re-raised in result()
             self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def wait(self, timeout: float) -> None:
+        self._thread.join(timeout)
 
     def result(self, timeout: float | None = None):
         self._thread.join(timeout)
