@@ -192,6 +192,7 @@ class EngineCore:
             if j:
                 seq.seed = sample_seed(req.seqs[0].seed, j)
             seq.family_state = state
+            seq.request_id = request_id
             req.seqs.append(seq)
             req.detoks.append(self._detokenizer(ids, params))
             req.tops.append([])
@@ -253,8 +254,7 @@ class EngineCore:
         sampled = self.llm.runner.run(batch, reqs)
         by_id = {c.seq.seq_id: out for c, out in zip(chunks, sampled, strict=True)}
         num_finished = len(sched.postprocess(batch, by_id)) + self._advance_watched(chunks, by_id)
-        by_seq = self._by_seq
-        touched = dict.fromkeys([by_seq[c.seq.seq_id][0].request_id for c in chunks])  # in batch order
+        touched = dict.fromkeys([c.seq.request_id for c in chunks])  # in batch order
         out = StepOutput(list(touched), num_finished)
         self.stats.steps += 1
         self.stats.generated_tokens += len(chunks)

@@ -249,7 +249,7 @@ class LLM:
                 bar.advance(done.num_finished, self.core.stats.last_step_tokens)
 
     def _sample_request(self, seq: Seq) -> SampleRequest:
-        sp, k = seq.params, seq.num_output_tokens
+        sp, k = seq.params, len(seq.token_ids) - seq.num_prompt_tokens  # its output index
         if k >= sp.min_tokens:  # (almost every row: nothing banned but the family's own)
             return SampleRequest(sp, seq.seed, k, self.family.never_sample)
         stops = tuple(sp.stop_token_ids or ())  # before min_tokens: no stop tokens, no eos

@@ -7,25 +7,28 @@ scheduler keeps no reference to a finished sequence.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from samebits.engine.block_manager import BlockManager
 from samebits.engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass(slots=True)
 class ScheduledChunk:
     """Compute tokens [start, start + num_tokens) of seq this step. `samples`: the chunk
     reaches the last known token, so the next token is sampled (set at construction, before
-    the step appends that token; read several times per row per step)."""
+    the step appends that token; read several times per row per step). A plain slotted class:
+    one is built per row per step, and a dataclass's `__post_init__` doubles that cost."""
 
-    seq: Sequence
-    start: int
-    num_tokens: int
-    samples: bool = field(init=False)
+    __slots__ = ("seq", "start", "num_tokens", "samples")
 
-    def __post_init__(self) -> None:
-        self.samples = self.start + self.num_tokens == len(self.seq.token_ids)
+    def __init__(self, seq: Sequence, start: int, num_tokens: int):
+        self.seq = seq
+        self.start = start
+        self.num_tokens = num_tokens
+        self.samples = start + num_tokens == len(seq.token_ids)
+
+    def __repr__(self) -> str:
+        return f"ScheduledChunk(seq={self.seq!r}, start={self.start}, num_tokens={self.num_tokens})"
 
 
 @dataclass
@@ -83,6 +86,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue seq; RuntimeError if even an empty cache could not hold it."""
         self.check_fits(seq)
+        if not seq.params.ignore_eos:
+            seq.stop_ids = seq.stop_ids | self.eos_token_ids
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -143,8 +148,9 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted for an earlier sequence
                 continue
-            start = seq.num_computed_tokens
-            end = min(len(seq.token_ids), start + budget)
+            start, end = seq.num_computed_tokens, len(seq.token_ids)
+            if end - start > budget:
+                end = start + budget
             if end <= len(seq.block_table) * block_size:  # its blocks hold it
                 placed = True  # (most decode steps: a new block is needed every block_size tokens)
             else:
@@ -152,7 +158,8 @@ class Scheduler:
                 preempted |= evicted
             if placed:
                 chunks.append(ScheduledChunk(seq, start, end - start))
-                publish(seq, end)
+                if end // block_size > seq.num_hashed_blocks:  # publish's own first test, inlined
+                    publish(seq, end)  # (most decode steps fill no block)
                 budget -= end - start
         return budget, preempted
 
@@ -207,6 +214,8 @@ class Scheduler:
 
         `sampled` maps seq_id -> (token, log-prob[, top log-probs]) for every chunk whose
         `samples` is True; the top log-probs are the caller's (engine/core.py) to keep.
+        A sequence finishes by "length" at max_tokens, else by "stop" on one of its `stop_ids`
+        (stop_token_ids, eos unless ignore_eos) once it has min_tokens.
         """
         finished = []
         for chunk in batch.chunks:
@@ -215,26 +224,20 @@ class Scheduler:
             if not chunk.samples:
                 continue
             out = sampled[seq.seq_id]
-            token = out[0]
-            seq.append_token(token, out[1])
-            reason = self._finish_reason(seq, token)
-            if reason:
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = reason
-                self.blocks.free(seq)
-                finished.append(seq)
+            token, token_ids = out[0], seq.token_ids
+            token_ids.append(token)
+            seq.logprobs.append(out[1])
+            n = len(token_ids)
+            if n >= seq.max_num_tokens:
+                reason = "length"
+            elif n >= seq.min_num_tokens and token in seq.stop_ids:
+                reason = "stop"
+            else:
+                continue
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = reason
+            self.blocks.free(seq)
+            finished.append(seq)
         if finished:
             self.running = [s for s in self.running if not s.is_finished]
         return finished
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p, k = seq.params, seq.num_output_tokens
-        if k >= p.max_tokens:
-            return "length"
-        if k < p.min_tokens:
-            return None
-        if p.stop_token_ids and token in p.stop_token_ids:
-            return "stop"
-        if token in self.eos_token_ids and not p.ignore_eos:
-            return "stop"
-        return None
