@@ -249,8 +249,7 @@ class EngineCore:
         t0 = time.perf_counter()
         batch = sched.schedule()
         chunks = [c for c in batch.chunks if c.samples]
-        sample_request = self.llm._sample_request
-        reqs = [sample_request(c.seq) for c in chunks]
+        reqs = self.llm._sample_requests([c.seq for c in chunks])
         sampled = self.llm.runner.run(batch, reqs)
         by_id = {c.seq.seq_id: out for c, out in zip(chunks, sampled, strict=True)}
         num_finished = len(sched.postprocess(batch, by_id)) + self._advance_watched(chunks, by_id)

@@ -248,13 +248,20 @@ class LLM:
             if bar:
                 bar.advance(done.num_finished, self.core.stats.last_step_tokens)
 
-    def _sample_request(self, seq: Seq) -> SampleRequest:
-        sp, k = seq.params, len(seq.token_ids) - seq.num_prompt_tokens  # its output index
-        if k >= sp.min_tokens:  # (almost every row: nothing banned but the family's own)
-            return SampleRequest(sp, seq.seed, k, self.family.never_sample)
-        stops = tuple(sp.stop_token_ids or ())  # before min_tokens: no stop tokens, no eos
-        banned = stops + (() if sp.ignore_eos else tuple(self.config.eos_token_id))
-        return SampleRequest(sp, seq.seed, k, banned + self.family.never_sample)
+    def _sample_requests(self, seqs: list[Seq]) -> list[SampleRequest]:
+        """The sampling row of each sequence's next token (one loop for the batch: this runs
+        for every row of every step)."""
+        never_sample, rows = self.family.never_sample, []
+        row = tuple.__new__  # SampleRequest(...) without its Python-level __new__: 0.1 us less a row
+        for seq in seqs:
+            sp, k = seq.params, len(seq.token_ids) - seq.num_prompt_tokens  # its output index
+            if k >= sp.min_tokens:  # (almost every row: nothing banned but the family's own)
+                rows.append(row(SampleRequest, (sp, seq.seed, k, never_sample)))
+            else:  # before min_tokens: no stop tokens, no eos
+                stops = tuple(sp.stop_token_ids or ())
+                banned = stops + (() if sp.ignore_eos else tuple(self.config.eos_token_id))
+                rows.append(SampleRequest(sp, seq.seed, k, banned + never_sample))
+        return rows
 
     # -- colocation -----------------------------------------------------------------------
 
