@@ -248,15 +248,14 @@ class EngineCore:
             return StepOutput([], 0)
         t0 = time.perf_counter()
         batch = sched.schedule()
-        chunks = [c for c in batch.chunks if c.samples]
-        reqs = self.llm._sample_requests([c.seq for c in chunks])
-        sampled = self.llm.runner.run(batch, reqs)
-        by_id = {c.seq.seq_id: out for c, out in zip(chunks, sampled, strict=True)}
-        num_finished = len(sched.postprocess(batch, by_id)) + self._advance_watched(chunks, by_id)
-        touched = dict.fromkeys([c.seq.request_id for c in chunks])  # in batch order
+        seqs = [c.seq for c in batch.chunks if c.samples]  # the rows sampled, in batch order
+        sampled = self.llm.runner.run(batch, self.llm._sample_requests(seqs))
+        by_id = dict(zip([s.seq_id for s in seqs], sampled, strict=True))
+        num_finished = len(sched.postprocess(batch, by_id)) + self._advance_watched(seqs, by_id)
+        touched = dict.fromkeys([s.request_id for s in seqs])  # each request once, in batch order
         out = StepOutput(list(touched), num_finished)
         self.stats.steps += 1
-        self.stats.generated_tokens += len(chunks)
+        self.stats.generated_tokens += len(seqs)
         self.stats.last_step_tokens = batch.num_tokens
         self.stats.prefix_cache_queries += batch.prefix_cache_queries
         self.stats.prefix_cache_hits += batch.prefix_cache_hits
@@ -264,12 +263,12 @@ class EngineCore:
         self.stats.step_seconds += self.stats.last_step_seconds
         return out
 
-    def _advance_watched(self, chunks: list, by_id: dict[int, tuple]) -> int:
-        """`_advance` the watched samples among the sampled chunks, in chunk order; -> how
+    def _advance_watched(self, seqs: list[Seq], by_id: dict[int, tuple]) -> int:
+        """`_advance` the watched samples among the sampled seqs, in batch order; -> how
         many a stop string finished. Most rows (no text, no top log-probs) cost nothing here."""
         if not self._watched:
             return 0
-        watched = [c.seq for c in chunks if c.seq.seq_id in self._watched]
+        watched = [seq for seq in seqs if seq.seq_id in self._watched]
         return sum(self._advance(seq, by_id[seq.seq_id]) for seq in watched)
 
     def _advance(self, seq: Seq, out: tuple) -> bool:
