@@ -17,7 +17,7 @@ class ScheduledChunk:
     """Compute tokens [start, start + num_tokens) of seq this step. `samples`: the chunk
     reaches the last known token, so the next token is sampled (set at construction, before
     the step appends that token; read several times per row per step). A plain slotted class:
-    one is built per row per step, and a dataclass's `__post_init__` doubles that cost."""
+    one is built per row per step, and a dataclass's `__post_init__` adds a call (~0.07 us)."""
 
     __slots__ = ("seq", "start", "num_tokens", "samples")
 
