@@ -25,7 +25,7 @@ ALLOWED = {
     "rl": {"client", "engine", "model", "numerics", "requests", "trainer", "plotting"},
     "verify": {"engine", "model", "numerics", "requests", "trainer"},
     "bench": {"engine", "model", "numerics", "requests", "trainer", "plotting"},
-    "cli_checks": {"engine", "model"},
+    "cli_checks": {"engine", "model", "requests"},
     "cli": {"bench", "cli_checks", "rl", "serve", "verify"},
 }
 

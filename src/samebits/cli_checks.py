@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from samebits.requests import SamplingParams
+
 USAGE_ERROR = 2  # the exit status of every refusal (argparse's own convention)
 
 
@@ -28,48 +30,41 @@ def refuse(prog: str, message: str):
     raise SystemExit(USAGE_ERROR)
 
 
+def _checked(text: str, parse, ok, want: str):
+    """`parse(text)` when it parses and passes `ok`, else an argparse error saying `want`."""
+    try:
+        value = parse(text)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
-    return value
+    return _checked(text, int, lambda v: v >= 1, "an int >= 1")
 
 
 def non_negative_int(text: str) -> int:
     """An int >= 0 (0: the measurement it sizes is skipped)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
-    return value
+    return _checked(text, int, lambda v: v >= 0, "an int >= 0")
 
 
 def temperature(text: str) -> float:
-    """A finite float, 0 (greedy) or >= 1e-6, as SamplingParams accepts."""
+    """A sampling temperature, checked by `SamplingParams` itself (the one place that says
+    which are valid: 0 for greedy, or a finite number >= 1e-6)."""
+    value = _checked(text, float, lambda v: True, "a number")
     try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not (value == 0 or 1e-6 <= value < float("inf")):
-        raise argparse.ArgumentTypeError(f"must be 0 (greedy) or a finite number >= 1e-6, got {text!r}")
+        SamplingParams(temperature=value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return value
 
 
 def seed(text: str) -> int:
     """An int in [0, 2**32): sampling seeds derived from it stay within [0, 2**63)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"must be an int in [0, 2**32), got {text!r}")
-    return value
+    return _checked(text, int, lambda v: 0 <= v < 2**32, "an int in [0, 2**32)")
 
 
 def positive_ints(text: str) -> tuple[int, ...]:
