@@ -19,7 +19,6 @@ SGLang's `init_custom_process_group` makes it.
 from __future__ import annotations
 
 import json
-import re
 import threading
 import urllib.error
 import urllib.request
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from samebits.engine.digest import tensor_digest
+from samebits.engine.weight_store import per_expert_target
 from samebits.weights import group as groups
 from samebits.weights import ipc
 
@@ -263,22 +263,18 @@ class _Background:
         return self._value
 
 
-_PER_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-
-
 def _spec(specs: dict, name: str) -> tuple[tuple[int, ...], torch.dtype]:
     """(shape, dtype) the server expects for `name`: one of its tensors, or a hub per-expert
-    name (its expert's slice of the fused gate_up_proj [E, 2I, H] / down_proj [E, H, I])."""
+    name (its expert's slice of a fused tensor: `weight_store.per_expert_target`)."""
     if name in specs:
         return specs[name]
-    m = _PER_EXPERT.match(name)
-    fused = f"{m.group(1)}.{'down_proj' if m.group(3) == 'down' else 'gate_up_proj'}" if m else None
-    if fused not in specs:
+    target = per_expert_target(name, {n: shape for n, (shape, _) in specs.items()})
+    if target is None:
         raise ValueError(f"{name}: the server has no such tensor (see Client.weight_specs())")
-    (experts, rows, cols), dtype = specs[fused]
-    if int(m.group(2)) >= experts:
-        raise ValueError(f"{name}: expert {m.group(2)} of {experts}")
-    return ((rows // 2, cols) if m.group(3) != "down" else (rows, cols)), dtype
+    fused, expert, _, shape = target
+    if expert >= specs[fused][0][0]:
+        raise ValueError(f"{name}: expert {expert} of {specs[fused][0][0]}")
+    return shape, specs[fused][1]
 
 
 def _pairs(named_tensors) -> list[tuple[str, torch.Tensor]]:

@@ -91,19 +91,17 @@ class WeightStore:
             raise TypeError(f"{where}: a tensor name must be a str, got {type(name).__name__}")
         if name in self.params:
             return Slot(self._canon[name], self._shapes[name])
-        m = _PER_EXPERT.match(name)
-        fused = None if m is None else f"{m.group(1)}.{'down_proj' if m.group(3) == 'down' else 'gate_up_proj'}"
-        if fused not in self.params:
+        target = per_expert_target(name, self._shapes)
+        if target is None:
             raise KeyError(
                 f"{where}: unknown parameter {name!r}; expected one of this model's transformers names "
                 "(LLM.weight_store.param_specs()) or a hub per-expert name "
                 "'<layer>.mlp.experts.<e>.{gate,up,down}_proj.weight' of a sparse layer"
             )
-        e, part = int(m.group(2)), m.group(3)
-        num, rows, cols = self._shapes[fused]
+        fused, e, part, shape = target
+        num = self._shapes[fused][0]
         if e >= num:
             raise KeyError(f"{where}: unknown parameter {name!r}: expert {e}, but the model has {num} experts")
-        shape = (rows, cols) if part == "down" else (rows // 2, cols)
         return Slot(self._canon[fused], shape, e, part)
 
     def check_names(
@@ -289,6 +287,23 @@ class WeightStore:
     def num_missing(self) -> int:
         """How many parameters are not (fully) written since the last resume."""
         return len(self._missing)
+
+
+def per_expert_target(name: str, shapes: Mapping[str, Sequence[int]]) -> tuple[str, int, str, tuple] | None:
+    """A hub per-expert name -> (its fused parameter, expert e, "gate" | "up" | "down", the
+    slice's shape), read from the fused parameters' `shapes` ({name: shape}: gate_up_proj
+    [E, 2I, H] -> [I, H]; down_proj [E, H, I] -> [H, I]); None when `name` is not such a name
+    of a fused tensor in `shapes`. e may be out of range: the caller says so. (The engine's
+    store and `samebits.client`, which checks against the server's specs, both use this.)"""
+    m = _PER_EXPERT.match(name)
+    if m is None:
+        return None
+    part = m.group(3)
+    fused = f"{m.group(1)}.{'down_proj' if part == 'down' else 'gate_up_proj'}"
+    if fused not in shapes:
+        return None
+    _, rows, cols = shapes[fused]
+    return fused, int(m.group(2)), part, ((rows, cols) if part == "down" else (rows // 2, cols))
 
 
 def _units_of(name: str, p: torch.Tensor) -> frozenset:
