@@ -19,9 +19,6 @@ import argparse
 import asyncio
 import gc
 import json
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -30,15 +27,10 @@ import torch
 
 def _serve(path: Path, args):
     """`samebits serve` on 127.0.0.1 as a user starts it; -> (process, url)."""
-    cmd = [sys.executable, "-m", "samebits.cli", "serve", "--model", str(path), "--port", "0"]
-    cmd += ["--device", args.device, "--max-num-seqs", str(args.requests)]
-    cmd += ["--max-model-len", str(32 + args.tokens + 16)]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    for line in proc.stderr:  # the server logs one line when ready
-        if "ready on http://" in line:
-            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep its pipe drained
-            return proc, line.split("ready on ")[1].split()[0]
-    raise RuntimeError(f"samebits serve exited ({proc.wait()}) before it was ready")
+    from samebits.client import spawn_server
+
+    flags = ["--device", args.device, "--max-num-seqs", str(args.requests)]
+    return spawn_server(path, *flags, "--max-model-len", str(32 + args.tokens + 16))
 
 
 async def _stream_one(client, url: str, prompt: list[int], tokens: int, seed: int):
@@ -107,8 +99,9 @@ def main() -> None:
         steps = _metric(url, "samebits_engine_steps_total")
         step_s = _metric(url, "samebits_engine_step_seconds_total")
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        from samebits.client import stop_server
+
+        stop_server(proc)
 
     same = sum(
         ids == o.token_ids and torch.equal(torch.tensor(lps, dtype=torch.float32), o.logprobs)

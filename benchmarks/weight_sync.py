@@ -18,24 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
-
-
-def _serve(path: Path, blocks: int, device: str):
-    cmd = [sys.executable, "-m", "samebits.cli", "serve", "--model", str(path), "--port", "0"]
-    cmd += ["--device", device, "--max-num-seqs", "4", "--max-model-len", "256", "--num-blocks", str(blocks)]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    for line in proc.stderr:
-        if "ready on http://" in line:
-            threading.Thread(target=proc.stderr.read, daemon=True).start()
-            return proc, line.split("ready on ")[1].split()[0]
-    raise RuntimeError(f"samebits serve exited ({proc.wait()}) before it was ready")
 
 
 def _trainer_tensors(path: Path, device: str) -> list[tuple[str, torch.Tensor]]:
@@ -73,13 +59,14 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a dry run)")
     args = p.parse_args()
     from samebits.bench import write_random_checkpoint
-    from samebits.client import Client
+    from samebits.client import Client, spawn_server, stop_server
 
     path = Path(args.dir)
     if not (path / "config.json").is_file():
         write_random_checkpoint(path, args.layers, 0)
     result: dict = {"layers": args.layers}
-    proc, url = _serve(path, 64, args.device)
+    args_ = ["--device", args.device, "--max-num-seqs", "4", "--max-model-len", "256", "--num-blocks", "64"]
+    proc, url = spawn_server(path, *args_)  # a small KV cache: two copies of the model share the GPU
     try:
         client = Client(url, timeout=600)
         pairs = _trainer_tensors(path, args.device)
@@ -105,8 +92,7 @@ def main() -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     finally:
-        proc.terminate()
-        proc.wait(timeout=120)
+        stop_server(proc)
     from samebits import LLM
 
     llm = LLM(path, device=args.device, max_num_seqs=4, max_model_len=256, num_blocks=64)

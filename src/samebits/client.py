@@ -19,6 +19,8 @@ SGLang's `init_custom_process_group` makes it.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -33,6 +35,37 @@ from samebits.weights import group as groups
 from samebits.weights import ipc
 
 DEFAULT_GROUP = "weight_update_group"
+
+
+def spawn_server(model, *args: str, ready_timeout: float = 1800.0) -> tuple[subprocess.Popen, str]:
+    """Start `samebits serve --model model --port 0 *args` on 127.0.0.1 and wait for its ready
+    line -> (the process, its URL). RuntimeError with the server's stderr if it exits first;
+    killed after `ready_timeout` seconds (a 60 GB checkpoint and its CUDA graphs take minutes).
+    Stop it with `stop_server`."""
+    cmd = [sys.executable, "-m", "samebits.cli", "serve", "--model", str(model), "--port", "0", *args]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    timer = threading.Timer(ready_timeout, proc.kill)
+    timer.start()
+    seen: list[str] = []
+    try:
+        for line in proc.stderr:
+            seen.append(line)
+            if "ready on http://" in line:
+                threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep its pipe drained
+                return proc, line.split("ready on ")[1].split()[0]
+    finally:
+        timer.cancel()
+    raise RuntimeError(f"samebits serve exited ({proc.wait()}) before it was ready:\n{''.join(seen)}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM the server started by `spawn_server`, by its PID; SIGKILL if it lingers."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
 
 
 class WeightSyncError(RuntimeError):

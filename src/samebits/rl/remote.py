@@ -14,19 +14,14 @@ end); any other value is the URL of a running server.
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from samebits.client import Client
+from samebits.client import Client, spawn_server, stop_server
 from samebits.model.config import ModelConfig
-
-READY_TIMEOUT = 1800  # seconds: a 60 GB checkpoint and its CUDA graphs
 
 
 @dataclass
@@ -52,22 +47,10 @@ class RemoteEngine:
             self.client.init_weights_update_group("127.0.0.1", _free_port(), backend=backend)
 
     def _spawn(self, path: Path, config) -> str:
-        cmd = [sys.executable, "-m", "samebits.cli", "serve", "--model", str(path), "--port", "0"]
-        cmd += ["--device", config.device, "--dtype", config.dtype, "--numerics", config.engine_numerics]
-        cmd += ["--max-num-seqs", str(config.num_sequences), "--max-model-len", str(config.max_model_len)]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-        seen: list[str] = []
-        timer = threading.Timer(READY_TIMEOUT, self.proc.kill)
-        timer.start()
-        try:
-            for line in self.proc.stderr:
-                seen.append(line)
-                if "ready on http://" in line:
-                    threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # keep it drained
-                    return line.split("ready on ")[1].split()[0]
-        finally:
-            timer.cancel()
-        raise RuntimeError(f"samebits serve exited ({self.proc.wait()}) before it was ready:\n{''.join(seen)}")
+        args = ["--device", config.device, "--dtype", config.dtype, "--numerics", config.engine_numerics]
+        args += ["--max-num-seqs", str(config.num_sequences), "--max-model-len", str(config.max_model_len)]
+        self.proc, url = spawn_server(path, *args)
+        return url
 
     # -- what RLLoop calls --------------------------------------------------------------
 
@@ -111,12 +94,7 @@ class RemoteEngine:
             except Exception:  # noqa: BLE001 - the server may be gone already
                 pass
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+            stop_server(self.proc)
             self.proc = None
 
 
