@@ -3,13 +3,8 @@
     python benchmarks/rl_step.py --layers 48 --dir /dev/shm/q48 --freeze experts --out rl_step.json   # CUDA
     python benchmarks/rl_step.py --steps 3                                       # tiny model, CPU
 
-Arms (`samebits.rl.arms`; each a fresh `RLLoop` on the same checkpoint, prompts, seeds, settings):
-- `on-policy`: the engine's exact profile; the trainer's transformers model with samebits
-  experts and attention; recompute and update forwards under `batch_invariant()`.
-- `shared`: the on-policy arm with the engine on the trainer's own tensors (no sync copy).
-- `stock`: the engine's fast profile (cuBLAS, grouped_mm); the trainer with transformers'
-  `grouped_mm` experts and `sdpa` attention; recompute and update forwards on stock kernels.
-  This is the loop a normal engine + trainer would run: its mismatch counts are nonzero.
+Arms: `on-policy`, `shared` and `stock`, as `samebits.rl.arms` describes them (each a fresh
+`RLLoop` on the same checkpoint, prompts, seeds and settings).
 
 Prints each arm's per-step metrics and one table of the median time per phase over the
 steps after the first (the first compiles Triton kernels and captures CUDA graphs).
