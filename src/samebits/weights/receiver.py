@@ -97,10 +97,6 @@ class WeightReceiver:
             )
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(
-                f"names, dtypes, shapes: lengths differ ({len(names)}, {len(dtypes)}, {len(shapes)})"
-            )
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise ValueError(
                 "update_weights_from_distributed: names, dtypes and shapes must have one entry per "
                 f"tensor, got {len(names)}, {len(dtypes)} and {len(shapes)}"
             )
@@ -117,6 +113,8 @@ class WeightReceiver:
     def update_weights_from_distributed(
         self, names, dtypes, shapes, group_name: str = DEFAULT_GROUP, flush_cache: bool = True, **_
     ) -> str:
+        # checked on arrival too (engine_child.PRECHECK); again here, as a release or a destroyed
+        # group may have come between (no data is involved: microseconds)
         declared = self.check_distributed(names, dtypes, shapes, group_name)
         group = self.groups[group_name]
         device = self.llm.runner.device if _backend(group) == "nccl" else torch.device("cpu")
