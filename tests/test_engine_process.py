@@ -98,3 +98,31 @@ def test_a_killed_engine_process_ends_every_stream_with_engine_dead(tiny):
             asyncio.run(_all(engine, [[1, 2]], [SamplingParams(max_tokens=2)]))
     finally:
         engine.close()
+
+
+def test_a_request_held_behind_a_weight_change_can_be_aborted(tiny):
+    """A request that arrives while a weight change waits for the engine to drain is held; an
+    abort then ends it at once ("abort", nothing generated) and it never runs. Without the
+    abort it runs after the change (control: the same add, not aborted, is queued)."""
+    from samebits.engine.engine_child import _Loop
+
+    class Pipe:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, message):
+            self.sent.append(message)
+
+    llm = LLM(tiny, max_num_seqs=2, max_model_len=64)
+    pipe = Pipe()
+    loop = _Loop(pipe, llm)
+    loop.calls.append((0, "flush_cache", {"_waited": 1}))  # a weight change still waiting
+    sp = SamplingParams(max_tokens=4, n=2, seed=1)
+    loop._handle(("add", "held", [3, 4, 5], sp))
+    loop._handle(("add", "kept", [3, 4, 5], sp))
+    assert [c[1] for c in loop.held] == ["held", "kept"] and not llm.core.has_unfinished()
+    loop._handle(("abort", "held", False))
+    kind, updates, _ = pipe.sent[-1]
+    assert kind == "step" and updates == [("held", [([], [], None, "", "abort")] * 2, 0, None)]
+    loop._run_calls_if_idle()  # the change runs, then what was held
+    assert llm.core.request_ids() == ["kept"] and pipe.sent[-1][:3] == ("result", 0, True)

@@ -128,8 +128,12 @@ class _Loop:
             return []
         if command[0] == "abort":
             _, rid, group = command
-            hits = [r for r in self.sent if rid is None or r == rid or (group and r.startswith(f"{rid}-"))]
-            return [r for r in hits if self.core.abort(r)]
+
+            def hit(r: str) -> bool:
+                return rid is None or r == rid or (group and r.startswith(f"{rid}-"))
+
+            self._abort_held([c for c in self.held if hit(c[1])])
+            return [r for r in self.sent if hit(r) and self.core.abort(r)]
         _, request_id, ids, params = command
         try:
             self.core.add_validated(request_id, 0, ids, params)
@@ -138,6 +142,18 @@ class _Loop:
             return []
         self.sent[request_id] = [0] * params.n
         return []
+
+    def _abort_held(self, adds: list[tuple]) -> None:
+        """Aborted before they started (held behind a weight change): they end now, empty."""
+        if not adds:
+            return
+        gone = {c[1] for c in adds}
+        self.held = [c for c in self.held if c[1] not in gone]
+        updates = []
+        for _, request_id, _, params in adds:
+            part = ([], [], [] if params.logprobs else None, "", "abort")
+            updates.append((request_id, [part] * params.n, 0, None))
+        self._send(("step", updates, self._stats()))
 
     def _call(self, call_id: int, method: str, kwargs: dict) -> list[str]:
         if method not in IMMEDIATE + WAIT_IDLE:
