@@ -17,7 +17,11 @@ from samebits.kernels.matmul_triton import BLOCK_M, BLOCK_N, NUM_STAGES, NUM_WAR
 
 SHAPES = [
     ("q_proj", 2048, 4096),
+    ("k_proj", 2048, 512),
+    ("q+k+v", 2048, 5120),
     ("o_proj", 4096, 2048),
+    ("router", 2048, 128),
+    ("lm_head", 2048, 151936),
     ("expert gate_up", 2048, 1536),
     ("expert down", 768, 2048),
 ]
@@ -32,6 +36,11 @@ CONFIGS = [
     (32, 64, 4, 4),
     (16, 64, 4, 4),
     (16, 32, 4, 6),
+    (16, 16, 2, 6),
+    (64, 16, 4, 6),
+    (32, 32, 4, 6),
+    (16, 32, 2, 8),
+    (16, 64, 4, 8),
 ]
 MS = [1, 8, 64, 256]
 
@@ -57,12 +66,12 @@ def main() -> None:
             same = all(torch.equal(matmul(a[:m], w.t(), tiles=cfg), ref[:m]) for m in MS)
             times = [
                 triton.testing.do_bench(lambda a=a, w=w, m=m, cfg=cfg: matmul(a[:m], w.t(), tiles=cfg))
-                for m in (1, 64)
+                for m in (1, 64, 256)
             ]
-            cells.append(f"{'same' if same else 'DIFF'} {times[0] * 1e3:.0f}/{times[1] * 1e3:.0f}")
+            cells.append(f"{'same' if same else 'DIFF'} " + "/".join(f"{t * 1e3:.0f}" for t in times))
         table.add_row(str(cfg), *cells)
-    Console(width=160).print(table)
-    print("cells: bits vs default at M in", MS, "; time at M=1 / M=64 in us")
+    Console(width=240).print(table)
+    print("cells: bits vs default at M in", MS, "; time at M=1 / M=64 / M=256 in us")
 
 
 if __name__ == "__main__":

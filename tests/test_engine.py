@@ -76,6 +76,22 @@ def test_sampling_noise_depends_on_the_seed(llm):
     assert a[0].token_ids != b[0].token_ids
 
 
+def test_the_noise_is_positive_at_every_hash_so_a_zero_probability_never_wins():
+    """u stays inside (0, 1) at the extreme hashes, so the noise is > 0 and a token whose
+    probability is 0 races 0 / noise = 0. Control: with 24 random bits, u = ((h >> 8) + 0.5) /
+    2**24 rounds to 1 at h = 2**32 - 1, the noise is -0.0, and argmax takes that token's NaN."""
+    from samebits.kernels.sample import uniform
+
+    hashes = torch.tensor([0, 1, 2**31, 2**32 - 512, 2**32 - 1], dtype=torch.int64)
+    u = uniform(hashes)
+    assert bool(((u > 0) & (u < 1)).all()) and bool((-torch.log(u) > 0).all())
+    old = ((hashes >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    assert old[-1] == 1.0
+    probs = torch.tensor([0.9, 0.0])  # token 1 is not allowed; its hash is the largest
+    assert torch.argmax(probs / -torch.log(old[[0, -1]])) == 1
+    assert torch.argmax(probs / -torch.log(u[[0, -1]])) == 0
+
+
 BAD = [
     ([[]], {}, "request 0: prompt is empty"),
     ([[3] * 200], {}, "request 0: prompt length 200"),

@@ -15,14 +15,14 @@ def _g(seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k,n", [(2048, 4096), (4096, 2048), (2048, 768), (130, 257)])
+@pytest.mark.parametrize("k,n", [(2048, 4096), (4096, 2048), (2048, 768), (130, 257), (2048, 20000)])
 def test_triton_matmul_row_invariant_and_close_to_float64(dtype, k, n):
     from samebits.kernels.matmul_triton import matmul
 
     a = torch.randn(300, k, device="cuda", generator=_g(0)).to(dtype)  # 300 > 256: the large tiles
     w = torch.randn(n, k, device="cuda", generator=_g(1)).to(dtype)  # nn.Linear layout
     full = matmul(a, w.t())
-    for m in (1, 2, 7, 64, 65, 128, 257):
+    for m in (1, 2, 7, 64, 65, 128, 257):  # across both tile switches (M > 256; wide N: M > 64)
         for start in (0, 300 - m):
             assert torch.equal(matmul(a[start : start + m], w.t()), full[start : start + m]), (
                 m,

@@ -229,25 +229,29 @@ def test_cuda_graph_decode_equals_eager(tmp_path):
 
 @pytest.mark.parametrize("h", [2048, 128, 96, 24])
 def test_fused_norm_and_rotary_give_transformers_bits(h):
-    """The fused kernels behind the HF-order ops on CUDA equal the transformers modules
-    under batch_invariant(); stock reductions (no batch_invariant) do not."""
+    """The fused kernels (the exact profile's norms under batch_invariant() and its rotary)
+    equal the transformers modules at every width. Controls, for the roundings they keep: the
+    rotary kernel compiled with Triton's default FMA contraction differs from transformers, and
+    so does the usual fused RMSNorm numerics (weight applied in fp32, one rounding)."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
 
     from samebits import batch_invariant
-    from samebits.numerics import ops
-    from samebits.numerics.profile import FAST
+    from samebits.kernels import norm_rope_triton as nr
+    from samebits.numerics import ops, registry
 
+    assert registry.pick("apply_rotary", "cuda", "exact") is registry._apply_rotary_cuda
     norm = hf.Qwen3MoeRMSNorm(h, eps=1e-6).to("cuda", torch.bfloat16)
     with torch.no_grad():
         norm.weight.normal_(1, 0.1, generator=_g(20))
     x = torch.randn(4096, h, device="cuda", generator=_g(21)).bfloat16()
     res = torch.randn(4096, h, device="cuda", generator=_g(22)).bfloat16()
     with batch_invariant():
-        assert torch.equal(ops.rms_norm(x, norm.weight, 1e-6), norm(x))
-        summed, normed = ops.add_rms_norm(x, res, norm.weight, 1e-6)
+        want = norm(x)
+        assert torch.equal(nr.rms_norm(x, norm.weight, 1e-6), want)
+        assert torch.equal(ops.rms_norm(x, norm.weight, 1e-6), want)
+        summed, normed = nr.rms_norm(x, norm.weight, 1e-6, residual=res)
         assert torch.equal(summed, res + x) and torch.equal(normed, norm(res + x))
-    # negative control: the usual fused numerics (weight applied in fp32, one rounding) differ
     xf = x.float()
     h32 = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
     assert not torch.equal((norm.weight.float() * h32).bfloat16(), norm(x))
@@ -259,10 +263,41 @@ def test_fused_norm_and_rotary_give_transformers_bits(h):
     k = torch.randn(333, 4, 128, device="cuda", generator=_g(24)).bfloat16()
     cos, sin = rot(q, pos[None])
     want_q, want_k = hf.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-    with batch_invariant():  # the exact profile's rotary (the composite: the fused one is off there)
-        q2, k2 = ops.apply_rotary(q, k, cos[0], sin[0], 1)
-    assert torch.equal(q2, want_q[0].transpose(0, 1)) and torch.equal(k2, want_k[0].transpose(0, 1))
-    with FAST.context():  # the fast profile's fused rotary: close, not the same bits (measured)
-        q3, _ = ops.apply_rotary(q, k, cos[0], sin[0], 1)
-    assert (q3.float() - q2.float()).abs().max() <= 2**-6 * q2.float().abs().max()
-    print("fused rotary: elements differing from transformers:", int((q3 != q2).sum()), "of", q2.numel())
+    want_q, want_k = want_q[0].transpose(0, 1), want_k[0].transpose(0, 1)
+    q2, k2 = ops.apply_rotary(q, k, cos[0], sin[0], 1)  # the fused kernel, in every profile
+    assert torch.equal(q2, want_q) and torch.equal(k2, want_k)
+    contracted = torch.empty_like(q)  # control: the same kernel with FMA contraction
+    c, s = cos[0].contiguous(), sin[0].contiguous()
+    nr.rotary_kernel[(333,)](
+        q, c, s, contracted, 32, q.stride(0), q.stride(1), q.stride(0), q.stride(1), c.stride(0),
+        HALF=64, BLOCK_H=32, num_warps=4,
+    )  # fmt: skip
+    assert not torch.equal(contracted, want_q)
+
+
+def test_one_gemm_over_adjacent_qkv_gives_each_projection_its_own_bits():
+    """The loader's layout (q, k, v back to back in one buffer) lets the exact profile run the
+    three projections as one Triton GEMM: each output equals its own GEMM bitwise at every M.
+    (Its control, a GEMM that picks its blocking by shape and so changes a column's bits when
+    joined, runs on the CPU: tests/test_ops_registry.py. cuBLAS happened to keep them here.)"""
+    from torch.nn.functional import linear
+
+    from samebits import batch_invariant
+    from samebits.numerics import ops
+
+    buf = (torch.randn(5120, 2048, device="cuda", generator=_g(30)) * 2048**-0.5).bfloat16()
+    weights = [buf[:4096], buf[4096:4608], buf[4608:]]
+    x = torch.randn(300, 2048, device="cuda", generator=_g(31)).bfloat16()
+    for m in (1, 7, 64, 257, 300):
+        with batch_invariant():
+            joined = ops.projections(x[:m], weights)
+            alone = [linear(x[:m], w) for w in weights]
+        assert joined[0].untyped_storage().data_ptr() == joined[2].untyped_storage().data_ptr()  # one GEMM
+        for a, b in zip(joined, alone, strict=True):
+            assert torch.equal(a, b), m
+    scattered = [w.clone() for w in weights]  # not adjacent: three GEMMs, the same bits
+    with batch_invariant():
+        three = ops.projections(x, scattered)
+        alone = [linear(x, w) for w in weights]
+    assert three[0].untyped_storage().data_ptr() != three[1].untyped_storage().data_ptr()
+    assert all(torch.equal(a, b) for a, b in zip(three, alone, strict=True))

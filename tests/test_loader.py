@@ -304,3 +304,22 @@ def test_save_replaces_earlier_weight_files(tmp_path, base):
     save_state_dict(cfg_dict, state, tmp_path, max_shard_bytes=60_000)
     save_state_dict(cfg_dict, state, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_each_layers_q_k_v_load_back_to_back_in_one_buffer(tmp_path):
+    """The loader reads a layer's q/k/v projection weights into adjacent rows of one buffer
+    (what lets CUDA run them as one GEMM), with the checkpoint's values. `adjacent_rows`
+    refuses weights that are not back to back."""
+    from samebits.kernels.matmul import adjacent_rows
+
+    path = build_tiny_checkpoint(tmp_path / "ck", seed=3, dtype=torch.bfloat16)
+    cfg, state = load_state_dict(path)
+    ref = build_tiny_model(seed=3, dtype=torch.bfloat16).state_dict()
+    for i in range(cfg.num_hidden_layers):
+        names = [f"model.layers.{i}.self_attn.{p}_proj.weight" for p in "qkv"]
+        joined = adjacent_rows([state[n] for n in names])
+        assert joined is not None
+        assert torch.equal(joined, torch.cat([ref[n] for n in names]))
+    q, k, v = (state[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    assert adjacent_rows([q, v]) is None and adjacent_rows([k, q]) is None
+    assert adjacent_rows([q, k.clone(), v]) is None

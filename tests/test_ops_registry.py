@@ -172,3 +172,18 @@ def test_set_numerics_switches_the_profile_through_the_public_api(tiny):
     assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(exact, again, strict=True))
     with pytest.raises(ValueError, match="numerics must be one of"):
         llm.set_numerics("quick")
+
+
+def test_the_cpu_keeps_adjacent_projections_as_separate_gemms():
+    """q/k/v lying back to back (the loader's layout) stay three GEMMs on the CPU, each with the
+    bits it has alone. Control, the reason: MKL picks its blocking by N, so one GEMM over the
+    joined weights gives the k columns other bits (measured at the real width, K = 2048)."""
+    buf = (torch.randn(640, 2048, generator=_g(5)) * 2048**-0.5).bfloat16()
+    weights = [buf[:512], buf[512:576], buf[576:]]
+    x = torch.randn(16, 2048, generator=_g(6)).bfloat16()
+    with EXACT.context():
+        got = ops.projections(x, weights)
+        alone = [F.linear(x, w) for w in weights]
+        joined = F.linear(x, buf).split([512, 64, 64], dim=-1)
+    assert all(torch.equal(a, b) for a, b in zip(got, alone, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(joined, alone, strict=True))

@@ -243,7 +243,12 @@ def test_from_disk_refuses_a_missing_tensor_before_reading_any(checkpoints, tmp_
 def test_release_frees_resume_refuses_until_pushed_then_bitwise_the_same(checkpoints):
     llm = _llm(checkpoints[SHAPE])
     snap, before = _snapshot(llm), _outs(llm)
-    held = [llm._params[n].data for n in llm.weight_store.all_units()]
+    # one tensor per storage (a layer's q/k/v weights are views of one buffer)
+    held = list(
+        {
+            p.untyped_storage().data_ptr(): p.data for p in map(llm._params.get, llm.weight_store.all_units())
+        }.values()
+    )
     alone = _uses(torch.ones(1))  # a storage no one else holds
     assert all(_uses(t) > alone for t in held)  # negative control: the engine holds them now
     llm.release_memory_occupation(["weights"])
@@ -254,6 +259,9 @@ def test_release_frees_resume_refuses_until_pushed_then_bitwise_the_same(checkpo
         with pytest.raises(RuntimeError, match="released"):
             call()
     llm.resume_memory_occupation(["weights"])
+    from samebits.kernels.matmul import adjacent_rows  # q/k/v back to back again: one GEMM on CUDA
+
+    assert adjacent_rows([llm._params[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]) is not None
     n = len(llm.weight_store.all_units())
     with pytest.raises(RuntimeError, match=rf"generate: {n} of {n} weight tensor\(s\) are not loaded"):
         llm.generate(PROMPTS, PARAMS)

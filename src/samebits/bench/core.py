@@ -103,41 +103,50 @@ def step_bytes(cfg: ModelConfig, batch: int, context: int, dtype_bytes: int = 2)
 replay_ms: dict[tuple[str, int], float] = {}  # (profile, batch) -> CUDA-graph replay alone
 
 
-def engine_step_ms(llm, batch: int, context: int, steps: int = 20) -> float:
-    """Mean time of `steps` decode steps (after 3 warm-up steps) of `batch` sequences that
-    each hold `context` tokens of KV; also records the graph replay alone in `replay_ms`."""
+@contextlib.contextmanager
+def decode_batch(llm, batch: int, context: int):
+    """A decode step of `batch` sequences that each hold `context` tokens of KV, as the
+    runner takes it: yields (ScheduledBatch, sample requests); frees the blocks after."""
     g = torch.Generator().manual_seed(batch)
     seqs = []
-    for i in range(batch):
-        ids = torch.randint(0, llm.config.vocab_size, (context,), generator=g).tolist()
-        seq = Sequence(seq_id=-1 - i, index=i, prompt_token_ids=ids, params=SamplingParams(max_tokens=1))
-        llm.block_manager.allocate(seq, context)
-        seq.num_computed_tokens = context - 1
-        seqs.append(seq)
-    batch_ = ScheduledBatch([ScheduledChunk(s, context - 1, 1) for s in seqs])
-    reqs = [SampleRequest(s.params, i, 0) for i, s in enumerate(seqs)]
     try:
-        with llm.runner.profile.context():  # as LLM.generate: installed once, not per step
-            for _ in range(3):
-                llm.runner.run(batch_, reqs)
-            sync(llm)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                llm.runner.run(batch_, reqs)
-            sync(llm)
-            step = 1000 * (time.perf_counter() - t0) / steps
-            graphs = llm.runner.graphs
-            size = graphs.size_for(batch_) if graphs is not None else None
-            if size is not None and size in graphs.graphs:  # the replay alone: the GPU's share
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    graphs.graphs[size][0].replay()
-                sync(llm)
-                replay_ms[(llm.runner.profile.name, batch)] = 1000 * (time.perf_counter() - t0) / steps
-        return step
+        for i in range(batch):
+            ids = torch.randint(0, llm.config.vocab_size, (context,), generator=g).tolist()
+            seq = Sequence(seq_id=-1 - i, index=i, prompt_token_ids=ids, params=SamplingParams(max_tokens=1))
+            llm.block_manager.allocate(seq, context)
+            seq.num_computed_tokens = context - 1
+            seqs.append(seq)
+        yield (
+            ScheduledBatch([ScheduledChunk(s, context - 1, 1) for s in seqs]),
+            [SampleRequest(s.params, i, 0) for i, s in enumerate(seqs)],
+        )
     finally:
         for s in seqs:
             llm.block_manager.free(s)
+
+
+def engine_step_ms(llm, batch: int, context: int, steps: int = 20) -> float:
+    """Mean time of `steps` decode steps (after 3 warm-up steps) of `batch` sequences that
+    each hold `context` tokens of KV; also records the graph replay alone in `replay_ms`."""
+    with decode_batch(llm, batch, context) as (batch_, reqs), llm.runner.profile.context():
+        # the profile as LLM.generate installs it: once, not per step
+        for _ in range(3):
+            llm.runner.run(batch_, reqs)
+        sync(llm)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            llm.runner.run(batch_, reqs)
+        sync(llm)
+        step = 1000 * (time.perf_counter() - t0) / steps
+        graphs = llm.runner.graphs
+        size = graphs.size_for(batch_) if graphs is not None else None
+        if size is not None and size in graphs.graphs:  # the replay alone: the GPU's share
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                graphs.graphs[size][0].replay()
+            sync(llm)
+            replay_ms[(llm.runner.profile.name, batch)] = 1000 * (time.perf_counter() - t0) / steps
+    return step
 
 
 def hf_generate_step_ms(model, batch: int, context: int, new: int = 16) -> float:

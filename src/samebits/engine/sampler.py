@@ -20,10 +20,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from samebits.numerics.ops import reported_logprobs
+from samebits.numerics.ops import race, reported_logprobs, sample_plain
 from samebits.requests import SamplingParams
 
 _MASK64 = (1 << 63) - 1
+_M32 = 0xFFFFFFFF
 
 
 class SampleRequest(NamedTuple):
@@ -34,9 +35,6 @@ class SampleRequest(NamedTuple):
     seed: int
     output_index: int
     banned: tuple[int, ...] = ()  # tokens not to sample yet (eos/stop before min_tokens)
-
-
-_M32 = 0xFFFFFFFF
 
 
 def _row_keys(seed: int, output_index: int) -> tuple[int, int]:
@@ -57,27 +55,6 @@ def row_keys(seeds: list[int], output_indices: list[int]) -> torch.Tensor:
     mixed ^= mixed >> np.uint64(31)
     keys = np.stack([mixed & np.uint64(_M32), mixed >> np.uint64(32)], axis=1)  # mixed < 2**63
     return torch.from_numpy(keys.astype(np.int64)).view(-1, 2)
-
-
-def _fmix(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mixer on int64 lanes; multipliers < 2**31 keep products < 2**63."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x5BD1E995) & _M32
-    return x ^ (x >> 16)
-
-
-def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """keys [N, 2] int64 -> Exp(1) noise [N, V] float32, a pure function of (keys, token id).
-
-    Counter-based, so it is computed on the logits' device with no generator state: the
-    same row gets the same noise alone, in any batch and after preemption.
-    """
-    ids = torch.arange(vocab, device=keys.device, dtype=torch.int64)[None, :]
-    x = _fmix(_fmix(ids ^ keys[:, :1]) ^ keys[:, 1:])
-    u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 random bits
-    return -torch.log(u)
 
 
 def _narrow(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -113,23 +90,6 @@ def row_inputs(reqs: list[SampleRequest]) -> tuple[torch.Tensor, torch.Tensor, t
     temps = np.where(random_row, given, 1.0).astype(np.float32)  # rounded as torch.tensor rounds
     keys = row_keys([r.seed for r in reqs], [r.output_index for r in reqs])
     return torch.from_numpy(temps), keys, torch.from_numpy(random_row)
-
-
-def race(
-    lps: torch.Tensor, probs: torch.Tensor, scores: torch.Tensor, keys: torch.Tensor, random_row: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device ops only: the exponential race per row (P(i) = p_i / sum p), the best logit for
-    greedy rows and rows whose allowed probabilities all underflowed -> (tokens [N], log-probs [N])."""
-    raced = torch.argmax(probs / exponential_noise(keys, probs.shape[1]), dim=-1)
-    usable = (probs > 0).any(dim=-1) & random_row
-    tokens = torch.where(usable, raced, torch.argmax(scores, dim=-1))
-    return tokens, lps.gather(1, tokens[:, None])[:, 0]
-
-
-def sample_plain(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, random_row: torch.Tensor):
-    """Rows with no banned tokens and no top-k/top-p: device ops only (CUDA-graph safe)."""
-    lps = reported_logprobs(logits, temps)
-    return race(lps, lps.exp(), logits.float(), keys, random_row)
 
 
 def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> list[tuple]:

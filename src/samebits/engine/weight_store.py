@@ -20,6 +20,7 @@ since the resume. `require_loaded` is what `generate` asks before running.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -78,6 +79,14 @@ class WeightStore:
         self._shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         self._missing: dict[str, set] = {}  # parameter -> units not written since resume()
         self.released = False
+        # parameters that share one storage (a layer's q/k/v, read back to back by the loader),
+        # in storage order: resume() allocates each group as one buffer again
+        by_storage: dict[int, list[str]] = {}
+        for n in self._units:
+            by_storage.setdefault(self.params[n].untyped_storage().data_ptr(), []).append(n)
+        self._groups = [
+            sorted(names, key=lambda n: self.params[n].storage_offset()) for names in by_storage.values()
+        ]
 
     # -- names ----------------------------------------------------------------------------
 
@@ -257,13 +266,17 @@ class WeightStore:
 
     def resume(self) -> None:
         """Allocate every released parameter again (zeros) and mark it not loaded; a no-op
-        when the weights were not released."""
+        when the weights were not released. Parameters that shared one storage get one
+        buffer again, back to back in their old order (so q/k/v stay one GEMM)."""
         if not self.released:
             return
-        for name, units in self._units.items():
-            p = self.params[name]
-            p.data = torch.zeros(self._shapes[name], dtype=p.dtype, device=p.device)
-            self._missing[name] = set(units)
+        for names in self._groups:
+            first = self.params[names[0]]
+            sizes = [math.prod(self._shapes[n]) for n in names]
+            buf = torch.zeros(sum(sizes), dtype=first.dtype, device=first.device)
+            for name, part in zip(names, buf.split(sizes), strict=True):
+                self.params[name].data = part.view(self._shapes[name])
+                self._missing[name] = set(self._units[name])
         self.released = False
 
     def refuse_released(self, where: str) -> None:

@@ -47,3 +47,21 @@ def bmm_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.shape[0] == 0:
         return a.new_empty(0, a.shape[1], b.shape[2])
     return torch.stack([matmul_ref(a[i], b[i]) for i in range(a.shape[0])])
+
+
+def adjacent_rows(weights: list[torch.Tensor]) -> torch.Tensor | None:
+    """Weights [N_i, K] as one [sum N_i, K] view when they are contiguous and lie back to back
+    in one storage (as the loader reads a layer's q/k/v), else None."""
+    first = weights[0]
+    end = first.storage_offset()
+    for w in weights:
+        if (
+            w.dim() != 2
+            or not w.is_contiguous()
+            or w.storage_offset() != end
+            or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or w.shape[1] != first.shape[1]
+        ):
+            return None
+        end += w.numel()
+    return first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]), (first.shape[1], 1))

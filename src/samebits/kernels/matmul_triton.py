@@ -20,6 +20,10 @@ NUM_WARPS, NUM_STAGES = 4, 4
 # the H200 (benchmarks/matmul_configs.py), these choices give identical bits for every row;
 # narrow N tiles give small-M GEMMs enough programs to fill the SMs.
 TILES_BY_M = ((256, (64, 32, 4, 6)), (None, (128, 128, 8, 3)))
+# A wide output (the lm_head, N = 151,936) has programs enough at any M; past M = 64 the
+# narrow tiles re-read its weights once per 64 rows: 674 us at M = 256 vs 348 us with the
+# large tiles (H200, matmul_configs.py, 2026-12-03; same bits).
+WIDE_N, WIDE_FROM_M = 16384, 65
 FP32_BLOCK_K = 32  # fp32 tiles are twice the bytes; fixed per dtype, so per row it never changes
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -107,7 +111,7 @@ def matmul(
         raise ValueError(f"bias must be a CUDA tensor of shape ({n},), got {tuple(bias.shape)}")
     ieee = a.dtype == torch.float32
     block_k = FP32_BLOCK_K if ieee else BLOCK_K
-    block_m, block_n, warps, stages = tiles or _tiles_for(m)
+    block_m, block_n, warps, stages = tiles or _tiles_for(m, n)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     matmul_kernel[grid](
         a,
@@ -135,7 +139,9 @@ def matmul(
     return c
 
 
-def _tiles_for(m: int) -> tuple[int, int, int, int]:
+def _tiles_for(m: int, n: int) -> tuple[int, int, int, int]:
+    if n >= WIDE_N and m >= WIDE_FROM_M:
+        return TILES_BY_M[-1][1]
     for limit, tiles in TILES_BY_M:
         if limit is None or m <= limit:
             return tiles

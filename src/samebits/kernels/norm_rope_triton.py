@@ -9,11 +9,12 @@ transformers module under `batch_invariant()`:
   way), + eps, rsqrt, x * r, rounded to the activation dtype, times the weight
   rounded again. With a residual, `residual + x` is rounded first.
 - Rotary: `q*cos` and `rotate_half(q)*sin` each rounded, then their sum rounded.
-The registry (`numerics.registry`) uses the norm kernels on CUDA inside
-`batch_invariant()` at power-of-two widths (measured bitwise equal to the
-transformers modules on the H200 at 2048 and 128) and both in the fast profile.
-The rotary kernel differs from transformers in a few elements on the H200 (cause
-not found yet), so the exact profile keeps the composite rotary.
+Every launch passes `enable_fp_fusion=False`: with Triton's default, LLVM contracts a
+multiply and the add after it into one FMA, dropping the product's rounding. That was the
+whole difference measured before (rotary: 45,192 of 262,144 elements on the H200; the
+norm's `mean * (1/H) + eps` at widths that are not powers of two, where 1/H is inexact).
+The registry (`numerics.registry`) uses both in the exact and the fast profile (the norms
+inside `batch_invariant()` only: outside it the composite's mean is aten's stock one).
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             HAS_RES=residual is not None,
             BLOCK=block,
             num_warps=4 if block >= 1024 else 1,
+            enable_fp_fusion=False,  # keep `variance + eps` and the other products rounded
         )
     out = out.view(x.shape)
     return out if residual is None else (summed.view(x.shape), out)
@@ -143,6 +145,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
                 HALF=x.shape[2] // 2,
                 BLOCK_H=triton.next_power_of_2(x.shape[1]),
                 num_warps=4,
+                enable_fp_fusion=False,  # keep each product rounded before the add
             )
         outs.append(out)
     return outs[0], outs[1]

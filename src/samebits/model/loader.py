@@ -217,11 +217,16 @@ def _read_all(
     def read(name: str) -> torch.Tensor:
         return handles[on_disk[name].file].get_tensor(name).to(device=device, dtype=dtype)
 
-    names = list(expected_shapes(cfg))
+    shapes = expected_shapes(cfg)
+    names = list(shapes)
     state: dict[str, torch.Tensor] = {}
     for name in maybe_progress(names, "loading weights") if many else names:
         prefix, _, part = name.rpartition(".")
-        if prefix in per_expert and part in ("gate_up_proj", "down_proj"):
+        if name in state:  # read with its layer's q_proj
+            continue
+        if name.endswith(_QKV[0]):
+            state.update(_read_qkv(name.removesuffix(_QKV[0]), shapes, read, device, dtype))
+        elif prefix in per_expert and part in ("gate_up_proj", "down_proj"):
             state[name] = _stack_experts(cfg, prefix, part, read, device, dtype)
         elif name == "lm_head.weight" and cfg.tie_word_embeddings:
             state[name] = state["model.embed_tokens.weight"]
@@ -229,7 +234,25 @@ def _read_all(
                 _check_tied(read(name), state[name])
         else:
             state[name] = read(name)
-    return state
+    return {name: state[name] for name in names}  # in the config's order (q/k/v came early)
+
+
+_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+
+
+def _read_qkv(layer: str, shapes: dict, read, device, dtype) -> dict[str, torch.Tensor]:
+    """One layer's q, k and v projection weights, read into adjacent rows of one buffer
+    [Nq + Nk + Nv, H]: each is a view, and on CUDA the model runs the three as one GEMM over
+    the buffer (`ops.projections`), which gives each column the bits it has alone."""
+    names = [layer + part for part in _QKV]
+    rows = [shapes[n][0] for n in names]
+    buf = torch.empty(sum(rows), shapes[names[0]][1], dtype=dtype, device=device)
+    out, start = {}, 0
+    for name, n in zip(names, rows, strict=True):
+        out[name] = buf[start : start + n]
+        out[name].copy_(read(name))
+        start += n
+    return out
 
 
 def _stack_experts(cfg, prefix, part, read, device, dtype) -> torch.Tensor:

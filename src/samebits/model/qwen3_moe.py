@@ -47,12 +47,21 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, meta: AttentionBatch, kv_cache):
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, -1, self.head_dim))  # [T, H, D]
-        k = self.k_norm(self.k_proj(x).view(t, -1, self.head_dim))  # [T, KVH, D]
-        v = self.v_proj(x).view(t, -1, self.head_dim)
+        q, k, v = self.project_qkv(x)
+        q = self.q_norm(q.view(t, -1, self.head_dim))  # [T, H, D]
+        k = self.k_norm(k.view(t, -1, self.head_dim))  # [T, KVH, D]
+        v = v.view(t, -1, self.head_dim)
         q, k = ops.apply_rotary(q, k, cos, sin, 1)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scaling)
         return self.o_proj(out.reshape(t, -1))
+
+    def project_qkv(self, x):
+        """q, k, v projections of x [T, H] (`ops.projections`: one GEMM on CUDA when the
+        loader put the three weights back to back)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if self.q_proj.bias is not None:
+            return tuple(p(x) for p in projs)
+        return ops.projections(x, [p.weight for p in projs])
 
 
 class MLP(nn.Module):

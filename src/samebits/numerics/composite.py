@@ -7,7 +7,11 @@ pairwise trees and outside it they are the stock kernels, exactly as transformer
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from samebits.kernels.sample import race
 
 Tensor = torch.Tensor
 
@@ -42,3 +46,18 @@ def apply_rotary(
     q_embed = (q * cos) + (_rotate_half(q) * sin)
     k_embed = (k * cos) + (_rotate_half(k) * sin)
     return q_embed, k_embed
+
+
+def reported_logprobs(logits: Tensor, temps: Tensor, scale: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """The trainer's line `torch.log_softmax(logits.float() / T, dim=-1)`, each row at its own
+    temperature: `scale(x, temps)` is the device's rounding of `x / T` (`ops.reported_logprobs`)."""
+    return torch.log_softmax(scale(logits.float(), temps), dim=-1)
+
+
+def sample_plain(
+    logits: Tensor, temps: Tensor, keys: Tensor, random_row: Tensor, scale: Callable[[Tensor, Tensor], Tensor]
+) -> tuple[Tensor, Tensor]:
+    """The plain decode sample, op by op: the reported log-probs, then the race over their
+    exp (`kernels.sample.race`) -> (tokens [N], log-probs [N])."""
+    lps = reported_logprobs(logits, temps, scale)
+    return race(lps, lps.exp(), logits.float(), keys, random_row)

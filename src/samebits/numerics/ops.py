@@ -16,7 +16,8 @@ import contextlib
 
 import torch
 
-from samebits.numerics import scope
+from samebits.kernels.sample import race  # noqa: F401  (the engine's sampler races narrowed rows with it)
+from samebits.numerics import composite, scope
 from samebits.numerics.batch_invariant import batch_invariant
 from samebits.numerics.registry import pick
 
@@ -175,6 +176,14 @@ def _(hidden_states, visual_pos_mask, visual_embeds):
     return torch.empty_like(hidden_states)
 
 
+def projections(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """`F.linear(x, w)` for each weight (no bias), in order: a layer's q/k/v projections. On
+    CUDA the registry runs them as one GEMM when the weights lie back to back in one storage
+    (the loader's layout), with each column's bits unchanged; the outputs are then column
+    views of one [T, sum N] tensor."""
+    return pick("projections", x.device.type)(x, weights)
+
+
 def reported_logprobs(logits: torch.Tensor, temperatures: list[float] | torch.Tensor) -> torch.Tensor:
     """logits [N, V] -> float32 log-probs [N, V], each row at its temperature (0 -> 1).
 
@@ -194,8 +203,21 @@ def reported_logprobs(logits: torch.Tensor, temperatures: list[float] | torch.Te
         temps = temperatures.float()
     else:
         temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=torch.float32)
-    scaled = pick("temperature_scale", logits.device.type)(logits.float(), temps.to(logits.device))
-    return torch.log_softmax(scaled, dim=-1)
+    dev = logits.device
+    return composite.reported_logprobs(logits, temps.to(dev), pick("temperature_scale", dev.type))
+
+
+def sample_plain(
+    logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, random_row: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode sample of rows with no banned tokens, top-k/top-p or top log-probs: logits
+    [N, V], temps [N] float32 (1 for greedy rows), keys [N, 2] int64, random_row [N] bool ->
+    (tokens [N], their reported log-probs [N] float32). Device ops only (CUDA-graph safe).
+
+    Each row is the exponential race over exp(`reported_logprobs`) (`kernels.sample.race`);
+    greedy rows take the best logit. The registry's `sample_plain` runs it op by op, or on CUDA
+    as one fused kernel family with the same bits (`kernels/sample_triton.py`)."""
+    return pick("sample_plain", logits.device.type)(logits, temps, keys, random_row)
 
 
 @torch.library.custom_op("samebits::experts", mutates_args=())

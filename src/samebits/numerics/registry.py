@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from samebits.kernels.experts import experts_grouped_mm, experts_ref, experts_stock_ref
-from samebits.kernels.matmul import bmm_ref, matmul_ref
+from samebits.kernels.matmul import adjacent_rows, bmm_ref, matmul_ref
 from samebits.kernels.reduce import tree_sum_ref
 from samebits.numerics import composite, scope
 
@@ -76,44 +76,67 @@ def _tree_sum_cuda(x, dim=-1, keepdim=False):
     return tree_sum_ref(x, dim, keepdim)
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
+# The fused norms give transformers' bits under batch_invariant() (tests/test_gpu_kernels.py, at
+# widths 2048, 128, 96 and 24); outside batch_invariant() the exact profile is transformers' stock
+# composite, whose mean is aten's.
+def _norm_fits(x) -> bool:
+    from samebits.kernels.reduce_triton import MAX_WIDTH  # the widest row its tree reduces
+
+    return triton_available() and x.shape[-1] <= MAX_WIDTH
 
 
-# The fused norms give transformers' bits under batch_invariant() at power-of-two widths
-# (measured on the H200: 2048 and 128, the 48-layer probe, 0 mismatches); the tiny models'
-# 96/24 widths mismatched in one probe sequence, so other widths keep the composite. Outside
-# batch_invariant() the exact profile is transformers' stock composite.
 def _rms_norm_exact_cuda(x, weight, eps):
-    if scope.invariant_depth() and _pow2(x.shape[-1]) and triton_available():
+    if scope.invariant_depth() and _norm_fits(x):
         return _FUSED_NORM(x, weight, eps)
     return composite.rms_norm(x, weight, eps)
 
 
 def _add_rms_norm_exact_cuda(x, residual, weight, eps):
-    if scope.invariant_depth() and _pow2(x.shape[-1]) and residual.dtype == x.dtype and triton_available():
+    if scope.invariant_depth() and residual.dtype == x.dtype and _norm_fits(x):
         return _FUSED_NORM(x, weight, eps, residual=residual)
     return composite.add_rms_norm(x, residual, weight, eps)
 
 
 def _rms_norm_fast_cuda(x, weight, eps):
-    return _FUSED_NORM(x, weight, eps) if triton_available() else composite.rms_norm(x, weight, eps)
+    return _FUSED_NORM(x, weight, eps) if _norm_fits(x) else composite.rms_norm(x, weight, eps)
 
 
 def _add_rms_norm_fast_cuda(x, residual, weight, eps):
-    if residual.dtype == x.dtype and triton_available():
+    if residual.dtype == x.dtype and _norm_fits(x):
         return _FUSED_NORM(x, weight, eps, residual=residual)
     return composite.add_rms_norm(x, residual, weight, eps)
 
 
-# The fused rotary differs from transformers in ~19% of elements on the H200 (cause not found),
-# so only the fast profile uses it.
-def _apply_rotary_fast_cuda(q, k, cos, sin, unsqueeze_dim=1):
+# The fused rotary gives transformers' bits (elementwise: the same in or out of batch_invariant()).
+def _apply_rotary_cuda(q, k, cos, sin, unsqueeze_dim=1):
     from samebits.kernels.norm_rope_triton import rotary_supported
 
     if triton_available() and rotary_supported(q, k, cos, unsqueeze_dim):
         return _FUSED_ROTARY(q, k, cos, sin)
     return composite.apply_rotary(q, k, cos, sin, unsqueeze_dim)
+
+
+def _projections_separate(x, weights):
+    return tuple(F.linear(x, w) for w in weights)
+
+
+def _projections_one_gemm(x, weights):
+    """One GEMM over weights lying back to back in one storage, split into each one's columns;
+    separate GEMMs otherwise. The Triton matmul's column bits do not depend on N (each column's
+    K order is BLOCK_K and the K loop alone; tests/test_gpu_kernels.py); MKL's do, measured, so
+    the CPU keeps separate GEMMs."""
+    joined = adjacent_rows(weights)
+    if joined is None:
+        return _projections_separate(x, weights)
+    return F.linear(x, joined).split([w.shape[0] for w in weights], dim=-1)
+
+
+# exact: one GEMM only where batch_invariant() routes it to the Triton matmul (cuBLAS picks
+# its algorithm by shape); fast: always
+def _projections_exact_cuda(x, weights):
+    if scope.invariant_depth():
+        return _projections_one_gemm(x, weights)
+    return _projections_separate(x, weights)
 
 
 def _experts_triton(x, index, weights, gate_up, down):
@@ -138,6 +161,37 @@ def _multiply_by_reciprocals(x: torch.Tensor, temps: torch.Tensor) -> torch.Tens
     return x * torch.reciprocal(temps)[:, None]
 
 
+_FUSED_SAMPLE = _lazy("samebits.kernels.sample_triton", "sample")
+
+
+def _sample_cpu(logits, temps, keys, random_row):
+    return composite.sample_plain(logits, temps, keys, random_row, _divide_by_temperatures)
+
+
+def _fused_sample_ok(logits) -> bool:
+    if not triton_available():
+        return False
+    from samebits.kernels.sample_triton import supported
+
+    return supported(logits)
+
+
+# The fused sample gives the composite's bits inside batch_invariant() (the exact profile's
+# log-softmax is the fixed tree it reproduces); outside it the composite runs aten's stock
+# log_softmax, so the exact profile keeps the composite there. The fast profile takes the
+# fused kernel always (its bits are not the contract, its speed is).
+def _sample_exact_cuda(logits, temps, keys, random_row):
+    if scope.invariant_depth() and _fused_sample_ok(logits):
+        return _FUSED_SAMPLE(logits, temps, keys, random_row)
+    return composite.sample_plain(logits, temps, keys, random_row, _multiply_by_reciprocals)
+
+
+def _sample_fast_cuda(logits, temps, keys, random_row):
+    if _fused_sample_ok(logits):
+        return _FUSED_SAMPLE(logits, temps, keys, random_row)
+    return composite.sample_plain(logits, temps, keys, random_row, _multiply_by_reciprocals)
+
+
 # -- the table ----------------------------------------------------------------------------------
 
 TABLE: dict[str, dict[str, dict[str, Callable]]] = {
@@ -146,6 +200,11 @@ TABLE: dict[str, dict[str, dict[str, Callable]]] = {
     # row-invariant GEMMs (batch_invariant()'s mm, addmm, bmm overrides)
     "matmul": {"cpu": {ANY: matmul_ref}, "cuda": {ANY: _lazy("samebits.kernels.matmul_triton", "matmul")}},
     "bmm": {"cpu": {ANY: bmm_ref}, "cuda": {ANY: _lazy("samebits.kernels.matmul_triton", "bmm")}},
+    # x @ w_i.T for weights sharing x (a layer's q/k/v): on CUDA one GEMM when they are adjacent
+    "projections": {
+        "cpu": {ANY: _projections_separate},
+        "cuda": {"exact": _projections_exact_cuda, "fast": _projections_one_gemm},
+    },
     # MoE experts: samebits' batch-invariant kernels (exact) or the stock twins (fast)
     "experts": {
         "cpu": {"exact": experts_ref, "fast": experts_stock_ref},
@@ -168,9 +227,15 @@ TABLE: dict[str, dict[str, dict[str, Callable]]] = {
     # `logits.float() / T` with T a Python float, row by row (the reported log-prob's scaling):
     # each device's rounding of the trainer's line, whatever the profile
     "temperature_scale": {"cpu": {ANY: _divide_by_temperatures}, "cuda": {ANY: _multiply_by_reciprocals}},
+    # the plain decode sample (no banned tokens, top-k/top-p or top log-probs): the reported
+    # log-probs and the exponential race; on CUDA one fused kernel family (kernels/sample_triton.py)
+    "sample_plain": {
+        "cpu": {ANY: _sample_cpu},
+        "cuda": {"exact": _sample_exact_cuda, "fast": _sample_fast_cuda},
+    },
     "apply_rotary": {
         "cpu": {ANY: composite.apply_rotary},
-        "cuda": {"exact": composite.apply_rotary, "fast": _apply_rotary_fast_cuda},
+        "cuda": {ANY: _apply_rotary_cuda},
     },
 }
 

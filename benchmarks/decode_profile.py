@@ -1,0 +1,152 @@
+"""Where a decode step's GPU time goes: every kernel of one step, by name, at the real shape.
+
+    python benchmarks/decode_profile.py --layers 2 --batches 1,64,256 --arms exact,fast
+
+Writes a random Qwen3-30B-A3B-shaped checkpoint of `--layers` layers (or reuses `--dir`),
+builds one eager engine (no CUDA graphs, so the profiler sees each launch) and one with
+graphs, and per arm and batch:
+- profiles `--steps` eager decode steps of B sequences at `--context` tokens of KV
+  (`torch.profiler`, CUDA kernels only) and prints each kernel's launches and GPU time per
+  step, the busiest first, with the sum of all kernel time per step;
+- times the CUDA-graph replay of the same step, so replay minus kernel time is what the
+  launches and gaps cost inside the graph;
+- times the sampler alone on random [B, V] logits, op by op and fused (eager).
+Per-layer cost is (kernel time - the part outside the layers) / layers; run two layer
+counts to separate them. `--json` writes every table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+
+def kernel_table(llm, batch: int, context: int, steps: int) -> dict[str, list[float]]:
+    """name -> [launches per step, GPU us per step] over `steps` eager decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from samebits.bench.core import decode_batch
+
+    with decode_batch(llm, batch, context) as (b, reqs), llm.runner.profile.context():
+        for _ in range(3):
+            llm.runner.run(b, reqs)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                llm.runner.run(b, reqs)
+            torch.cuda.synchronize()
+    table: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            row = table[e.name]
+            row[0] += 1 / steps
+            row[1] += e.time_range.elapsed_us() / steps
+    return dict(table)
+
+
+def replay_ms(llm, batch: int, context: int, steps: int) -> float | None:
+    from samebits.bench.core import engine_step_ms, replay_ms
+
+    engine_step_ms(llm, batch, context, steps)
+    return replay_ms.get((llm.runner.profile.name, batch))
+
+
+def sampler_ms(vocab: int, batch: int, reps: int = 20) -> dict[str, float]:
+    """The plain decode sample alone on random bf16 logits [batch, vocab] (T = 0.7 rows), eager,
+    inside batch_invariant(): op by op (`composite.sample_plain`) and fused (`sample_triton`)."""
+    from samebits.engine.sampler import SampleRequest, row_inputs
+    from samebits.kernels import sample_triton
+    from samebits.numerics import composite, registry
+    from samebits.numerics.batch_invariant import batch_invariant
+    from samebits.requests import SamplingParams
+
+    logits = torch.randn(batch, vocab, device="cuda").bfloat16()
+    reqs = [SampleRequest(SamplingParams(temperature=0.7), i, 3) for i in range(batch)]
+    args = [t.cuda() for t in row_inputs(reqs)]
+    arms = {
+        "op by op": lambda: composite.sample_plain(logits, *args, registry._multiply_by_reciprocals),
+        "fused": lambda: sample_triton.sample(logits, *args),
+    }
+    out = {}
+    with batch_invariant():
+        for name, fn in arms.items():
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+            out[name] = 1000 * (time.perf_counter() - t0) / reps
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batches", default="1,64,256")
+    p.add_argument("--arms", default="exact,fast")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--top", type=int, default=25, help="kernels listed per table")
+    p.add_argument("--dir", default="/dev/shm/samebits-profile")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    from rich.console import Console
+    from rich.table import Table
+
+    from samebits.bench import write_random_checkpoint
+    from samebits.engine.llm import LLM
+
+    console = Console(width=160)
+    batches = [int(b) for b in args.batches.split(",")]
+    path = Path(args.dir)
+    if not (path / "config.json").is_file():
+        write_random_checkpoint(path, args.layers, seed=0)
+    limits = dict(device="cuda", max_num_seqs=max(batches), max_model_len=args.context + 64)
+    eager = LLM(path, cuda_graphs=False, **limits)
+    graphed = LLM(path, **limits)
+    layers = eager.config.num_hidden_layers
+    out = {"layers": layers, "context": args.context, "points": []}
+    for arm in args.arms.split(","):
+        eager.set_numerics(arm)
+        graphed.set_numerics(arm)
+        for b in batches:
+            kernels = kernel_table(eager, b, args.context, args.steps)
+            replay = replay_ms(graphed, b, args.context, args.steps * 4)
+            sample = sampler_ms(eager.config.vocab_size, b)
+            busy = sum(us for _, us in kernels.values())
+            launches = sum(n for n, _ in kernels.values())
+            t = Table(
+                title=f"{arm}, batch {b}, {layers} layers: {launches:.0f} launches, {busy / 1000:.2f} ms of "
+                f"kernels per step; graph replay {replay or float('nan'):.2f} ms; sampler alone "
+                + ", ".join(f"{k} {v:.3f} ms" for k, v in sample.items())
+            )
+            for col in ("kernel", "launches/step", "us/step", "share"):
+                t.add_column(col, justify="left" if col == "kernel" else "right")
+            ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+            for name, (n, us) in ranked[: args.top]:
+                t.add_row(name[:90], f"{n:.0f}", f"{us:.1f}", f"{100 * us / busy:.1f}%")
+            console.print(t)
+            out["points"].append(
+                {
+                    "arm": arm,
+                    "batch": b,
+                    "launches": launches,
+                    "kernel_ms": busy / 1000,
+                    "replay_ms": replay,
+                    "sampler_ms": sample,
+                    "kernels": {k: {"launches": n, "us": us} for k, (n, us) in ranked},
+                }
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""The plain decode sample in five launches, with the bits of the op-by-op path.
+
+`composite.sample_plain` on CUDA inside `batch_invariant()` runs about 43 kernels over
+[N, V] tensors, most of them int64 for the noise (about 530 bytes per (row, token),
+docs/perf-notes.md). This does the same arithmetic reading the bf16 logits three times:
+
+1. `_max_kernel`: per program, the max logit and its first index (greedy, and the
+   log-softmax shift: `max(x * r) == max(x) * r` for r > 0, rounding is monotone).
+2. `_sum_kernel`: exp(x * r - m), summed per lane in `tree_sum_ref`'s order (below).
+3. `_total_kernel`: log of the row's sum, the tree of its lane sums.
+4. `_race_kernel`: per element the log-prob `(x * r - m) - log(total)`, p = exp(log-prob),
+   the noise and the race `p / noise`.
+5. `_finish_kernel`: per row, the race's or the greedy winner and its log-prob.
+
+The same roundings in the same order as the torch path:
+- `r` is the IEEE float32 reciprocal of T (`div_rn`), as `torch.reciprocal`; the scaled
+  logit `x * r` is rounded before the shift (no FMA contraction: every launch passes
+  `enable_fp_fusion=False`).
+- exp and log are libdevice's `expf`/`logf`, the functions torch's CUDA kernels call
+  (`tl.exp`/`tl.log` may lower to the approximate `ex2`/`lg2` instructions); the race's
+  division is `div_rn` (IEEE), as torch's `/`.
+- The noise is `fmix32` in uint32 lanes: integer ops, so the same bits as the int64 lanes.
+- The sum: `tree_sum_ref` over a row of V is the halving tree of the row padded to W (the
+  next power of two): fold element i onto i + W/2, then W/4, ... Split W = S * C with
+  S = 64: after log2(S) folds, lane i < C holds the halving tree of the S elements i + c*C
+  (c < S, folded c onto c + S/2 first), and the last log2(C) folds are the halving tree of
+  the C lanes. `_sum_kernel` computes each lane's tree with elementwise adds of [L]-lane
+  vectors (c = a + 8b: a tree over b per a, then over a), `_total_kernel` the lanes' tree
+  (`tree_sum_block`). Pads are 0: every sum holds exp(0) = 1, so a zero's sign is moot.
+Argmaxes keep the lowest index among equal values (torch.argmax's documented rule).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from samebits.kernels.reduce_triton import _INTERPRET, MAX_WIDTH, tree_sum_block
+from samebits.kernels.sample import MIX1, MIX2, UNIFORM_BITS
+
+_MIX1, _MIX2, _UNIFORM_BITS = tl.constexpr(MIX1), tl.constexpr(MIX2), tl.constexpr(UNIFORM_BITS)
+
+LANES = 128  # L: lanes per program (a program's tile is [S, L], S * L <= 8192 elements)
+STRIDED = 64  # S: strided elements per lane
+_BIG = tl.constexpr(2**31 - 1)  # "no index" for the argmaxes' min-index tie rule
+
+
+if _INTERPRET:  # Triton's CPU interpreter has no libdevice: numpy's exp/log (development only)
+
+    @triton.jit
+    def _expf(x):
+        return tl.exp(x)
+
+    @triton.jit
+    def _logf(x):
+        return tl.log(x)
+
+else:
+
+    @triton.jit
+    def _expf(x):
+        return libdevice.exp(x)
+
+    @triton.jit
+    def _logf(x):
+        return libdevice.log(x)
+
+
+def _shape(vocab: int) -> tuple[int, int, int, int]:
+    """-> (S, L, C, P): strided elements per lane, lanes per program, lanes, programs per row."""
+    c = triton.next_power_of_2(vocab) // STRIDED
+    return STRIDED, LANES, c, max(c // LANES, 1)
+
+
+def supported(logits: torch.Tensor) -> bool:
+    """2-D CUDA logits of a float dtype whose padded row W (the next power of two) splits
+    into S = 64 strided elements of L = 128 to MAX_WIDTH lanes: V in (4096, 524288]."""
+    if logits.dim() != 2 or not (logits.is_cuda or _INTERPRET) or not logits.dtype.is_floating_point:
+        return False
+    return LANES <= _shape(logits.shape[1])[2] <= MAX_WIDTH
+
+
+@triton.jit
+def _tile(logits_ptr, row, stride, vocab, p, S: tl.constexpr, L: tl.constexpr, C: tl.constexpr):
+    """Token ids [S, L] of program p's tile (lane p*L + j, strided element c: id c*C + p*L + j)
+    and their logits in float32 (masked ids: -inf)."""
+    ids = tl.arange(0, S)[:, None] * C + p * L + tl.arange(0, L)[None, :]
+    mask = ids < vocab
+    x = tl.load(logits_ptr + row * stride + ids, mask=mask, other=float("-inf")).to(tl.float32)
+    return ids, mask, x
+
+
+@triton.jit
+def _first_max(v, ids):
+    """The max of v [n] and the lowest id holding it."""
+    best = tl.max(v, axis=0)
+    return best, tl.min(tl.where(v == best, ids, _BIG), axis=0)
+
+
+@triton.jit
+def _first_max_2d(v, ids):
+    """The max of v [S, L] and the lowest id holding it."""
+    best = tl.max(tl.max(v, axis=1), axis=0)
+    return best, tl.min(tl.min(tl.where(v == best, ids, _BIG), axis=1), axis=0)
+
+
+@triton.jit
+def _row_shift(part_val_ptr, row, temps_ptr, P: tl.constexpr):
+    """-> (r, m): the row's IEEE 1/T and the log-softmax shift max(x) * r, from the max partials."""
+    r = tl.div_rn(1.0, tl.load(temps_ptr + row))
+    m = tl.max(tl.load(part_val_ptr + row * P + tl.arange(0, P)), axis=0) * r
+    return r, m
+
+
+@triton.jit
+def _max_kernel(
+    logits_ptr, stride, vocab, max_val_ptr, max_idx_ptr,
+    S: tl.constexpr, L: tl.constexpr, C: tl.constexpr, P: tl.constexpr,
+):  # fmt: skip
+    row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    ids, mask, x = _tile(logits_ptr, row, stride, vocab, p, S, L, C)
+    best, first = _first_max_2d(x, ids)
+    tl.store(max_val_ptr + row * P + p, best)
+    tl.store(max_idx_ptr + row * P + p, first)
+
+
+@triton.jit
+def _t8(v0, v1, v2, v3, v4, v5, v6, v7):
+    """The halving tree of 8 values: fold i onto i + 4, then + 2, then + 1."""
+    return ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7))
+
+
+@triton.jit
+def _exp_row(logits_ptr, row, stride, vocab, ids, r, m):
+    """exp(x * r - m) at token ids [L] (0 past the vocabulary)."""
+    mask = ids < vocab
+    x = tl.load(logits_ptr + row * stride + ids, mask=mask, other=float("-inf")).to(tl.float32)
+    return tl.where(mask, _expf(x * r - m), 0.0)
+
+
+@triton.jit
+def _exp_t8(logits_ptr, row, stride, vocab, lanes, a, r, m, C: tl.constexpr):
+    """The halving tree over b < 8 of exp(...) at ids (a + 8b) * C + lanes: strided elements
+    a + 8b of each lane, folded on b's top bit first."""
+    return _t8(
+        _exp_row(logits_ptr, row, stride, vocab, (a + 0) * C + lanes, r, m),
+        _exp_row(logits_ptr, row, stride, vocab, (a + 8) * C + lanes, r, m),
+        _exp_row(logits_ptr, row, stride, vocab, (a + 16) * C + lanes, r, m),
+        _exp_row(logits_ptr, row, stride, vocab, (a + 24) * C + lanes, r, m),
+        _exp_row(logits_ptr, row, stride, vocab, (a + 32) * C + lanes, r, m),
+        _exp_row(logits_ptr, row, stride, vocab, (a + 40) * C + lanes, r, m),
+        _exp_row(logits_ptr, row, stride, vocab, (a + 48) * C + lanes, r, m),
+        _exp_row(logits_ptr, row, stride, vocab, (a + 56) * C + lanes, r, m),
+    )
+
+
+@triton.jit
+def _sum_kernel(
+    logits_ptr, stride, vocab, temps_ptr, max_val_ptr, lanes_ptr,
+    S: tl.constexpr, L: tl.constexpr, C: tl.constexpr, P: tl.constexpr,
+):  # fmt: skip
+    """Lane sums: for each of the program's L lanes, the halving tree of its S = 64 strided
+    elements c = a + 8b: an inner tree over b (bits 5..3 of c, folded first) per a, then the
+    tree over a (bits 2..0). Elementwise adds of [L] vectors, in registers."""
+    row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    r, m = _row_shift(max_val_ptr, row, temps_ptr, P)
+    lanes = p * L + tl.arange(0, L)
+    total = _t8(
+        _exp_t8(logits_ptr, row, stride, vocab, lanes, 0, r, m, C),
+        _exp_t8(logits_ptr, row, stride, vocab, lanes, 1, r, m, C),
+        _exp_t8(logits_ptr, row, stride, vocab, lanes, 2, r, m, C),
+        _exp_t8(logits_ptr, row, stride, vocab, lanes, 3, r, m, C),
+        _exp_t8(logits_ptr, row, stride, vocab, lanes, 4, r, m, C),
+        _exp_t8(logits_ptr, row, stride, vocab, lanes, 5, r, m, C),
+        _exp_t8(logits_ptr, row, stride, vocab, lanes, 6, r, m, C),
+        _exp_t8(logits_ptr, row, stride, vocab, lanes, 7, r, m, C),
+    )
+    tl.store(lanes_ptr + row * C + lanes, total)
+
+
+@triton.jit
+def _total_kernel(lanes_ptr, log_total_ptr, C: tl.constexpr):
+    """log of the row's sum: the halving tree of its C lane sums (the last log2(C) folds)."""
+    row = tl.program_id(0).to(tl.int64)
+    tl.store(log_total_ptr + row, _logf(tree_sum_block(tl.load(lanes_ptr + row * C + tl.arange(0, C)), C)))
+
+
+@triton.jit
+def _fmix32(x):
+    x = x ^ (x >> 16)
+    x = x * _MIX1
+    x = x ^ (x >> 15)
+    x = x * _MIX2
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _race_kernel(
+    logits_ptr, stride, vocab, temps_ptr, keys_ptr, max_val_ptr,
+    race_val_ptr, race_idx_ptr, any_ptr, shift_ptr, log_total_ptr,
+    S: tl.constexpr, L: tl.constexpr, C: tl.constexpr, P: tl.constexpr,
+):  # fmt: skip
+    row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    r, m = _row_shift(max_val_ptr, row, temps_ptr, P)
+    log_total = tl.load(log_total_ptr + row)
+    if p == 0:
+        tl.store(shift_ptr + row, m)
+    ids, mask, x = _tile(logits_ptr, row, stride, vocab, p, S, L, C)
+    probs = _expf((x * r - m) - log_total)
+    key0 = tl.load(keys_ptr + row * 2).to(tl.uint32)
+    key1 = tl.load(keys_ptr + row * 2 + 1).to(tl.uint32)
+    h = _fmix32(_fmix32(ids.to(tl.uint32) ^ key0) ^ key1)
+    u = ((h >> (32 - _UNIFORM_BITS)).to(tl.float32) + 0.5) * (1.0 / (1 << _UNIFORM_BITS))  # `uniform`
+    ratio = tl.where(mask, tl.div_rn(probs, -_logf(u)), -1.0)  # ratios >= 0: pads never win
+    best, first = _first_max_2d(ratio, ids)
+    positive = tl.max(tl.max(tl.where(mask & (probs > 0), 1, 0), axis=1), axis=0)
+    tl.store(race_val_ptr + row * P + p, best)
+    tl.store(race_idx_ptr + row * P + p, first)
+    tl.store(any_ptr + row * P + p, positive)
+
+
+@triton.jit
+def _finish_kernel(
+    logits_ptr, stride, temps_ptr, random_ptr, max_val_ptr, max_idx_ptr, race_val_ptr, race_idx_ptr,
+    any_ptr, shift_ptr, log_total_ptr, tokens_ptr, out_lp_ptr, P: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    parts = row * P + tl.arange(0, P)
+    _, greedy = _first_max(tl.load(max_val_ptr + parts), tl.load(max_idx_ptr + parts))
+    _, raced = _first_max(tl.load(race_val_ptr + parts), tl.load(race_idx_ptr + parts))
+    usable = (tl.max(tl.load(any_ptr + parts), axis=0) > 0) & (tl.load(random_ptr + row) != 0)
+    token = tl.where(usable, raced, greedy)
+    r = tl.div_rn(1.0, tl.load(temps_ptr + row))
+    x = tl.load(logits_ptr + row * stride + token).to(tl.float32)
+    tl.store(tokens_ptr + row, token.to(tl.int64))
+    tl.store(out_lp_ptr + row, (x * r - tl.load(shift_ptr + row)) - tl.load(log_total_ptr + row))
+
+
+def sample(
+    logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, random_row: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V], temps [N] float32 (1 for greedy rows), keys [N, 2] int64, random_row [N]
+    bool -> (tokens [N] int64, float32 log-probs [N]): `composite.sample_plain` on CUDA inside
+    `batch_invariant()`, bit for bit."""
+    if not supported(logits):
+        raise ValueError(
+            f"sample (Triton) needs 2-D float CUDA logits of {STRIDED * LANES // 2 + 1} to "
+            f"{MAX_WIDTH * STRIDED} tokens, "
+            f"got {tuple(logits.shape)} {logits.dtype} on {logits.device}"
+        )
+    n, vocab = logits.shape
+    dev = logits.device
+    tokens = torch.empty(n, dtype=torch.int64, device=dev)
+    out_lp = torch.empty(n, dtype=torch.float32, device=dev)
+    if n == 0:
+        return tokens, out_lp
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    temps = temps.to(dev, torch.float32).contiguous()
+    keys = keys.to(dev, torch.int64).contiguous()
+    random_row = random_row.to(dev, torch.int8).contiguous()
+    s, lanes, c, p = _shape(vocab)
+    f32 = dict(dtype=torch.float32, device=dev)
+    i32 = dict(dtype=torch.int32, device=dev)
+    max_val, max_idx = torch.empty(n, p, **f32), torch.empty(n, p, **i32)
+    race_val, race_idx, positive = torch.empty(n, p, **f32), torch.empty(n, p, **i32), torch.empty(n, p, **i32)
+    lane_sums = torch.empty(n, c, **f32)
+    shift, log_total = torch.empty(n, **f32), torch.empty(n, **f32)
+    tile = dict(S=s, L=lanes, C=c, P=p, num_warps=8, enable_fp_fusion=False)
+    stride = logits.stride(0)
+    _max_kernel[(n, p)](logits, stride, vocab, max_val, max_idx, **tile)
+    _sum_kernel[(n, p)](logits, stride, vocab, temps, max_val, lane_sums, **tile)
+    _total_kernel[(n,)](lane_sums, log_total, C=c, num_warps=8)
+    _race_kernel[(n, p)](
+        logits,
+        stride,
+        vocab,
+        temps,
+        keys,
+        max_val,
+        race_val,
+        race_idx,
+        positive,
+        shift,
+        log_total,
+        **tile,
+    )
+    _finish_kernel[(n,)](
+        logits, stride, temps, random_row, max_val, max_idx, race_val, race_idx, positive, shift, log_total,
+        tokens, out_lp, P=p, num_warps=1, enable_fp_fusion=False,
+    )  # fmt: skip
+    return tokens, out_lp
