@@ -174,6 +174,7 @@ def test_set_numerics_switches_the_profile_through_the_public_api(tiny):
         llm.set_numerics("quick")
 
 
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="the control is MKL's N-dependent blocking")
 def test_the_cpu_keeps_adjacent_projections_as_separate_gemms():
     """q/k/v lying back to back (the loader's layout) stay three GEMMs on the CPU, each with the
     bits it has alone. Control, the reason: MKL picks its blocking by N, so one GEMM over the

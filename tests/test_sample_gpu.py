@@ -75,18 +75,31 @@ def test_fused_sample_rows_do_not_depend_on_the_batch():
     assert not torch.equal(other[random_row], tok[random_row])
 
 
-def test_the_engine_samples_through_the_fused_kernel_in_the_exact_profile():
-    """The registry's exact CUDA entry takes the fused kernel inside batch_invariant() and the
+def _spy(monkeypatch):
+    """Count the registry's calls of the fused kernel."""
+    from samebits.numerics import registry
+
+    calls = []
+    fused = registry._FUSED_SAMPLE
+    monkeypatch.setattr(registry, "_FUSED_SAMPLE", lambda *a: calls.append(1) or fused(*a))
+    return calls
+
+
+def test_the_engine_samples_through_the_fused_kernel_in_the_exact_profile(monkeypatch):
+    """The registry's exact CUDA entry runs the fused kernel inside batch_invariant() and the
     composite outside it (where the composite's log-softmax is aten's)."""
     from samebits import batch_invariant
     from samebits.numerics import ops, scope
 
+    calls = _spy(monkeypatch)
     logits, temps, keys, random_row = _rows(7, 151936, seed=11)
     scope.push_profile("exact")
     try:
         with batch_invariant():
             inside = ops.sample_plain(logits, temps, keys, random_row)
+        assert len(calls) == 1
         outside = ops.sample_plain(logits, temps, keys, random_row)
+        assert len(calls) == 1
     finally:
         scope.pop_profile()
     from samebits.kernels.sample_triton import sample
@@ -97,12 +110,13 @@ def test_the_engine_samples_through_the_fused_kernel_in_the_exact_profile():
     assert not torch.equal(outside[1], fused[1])
 
 
-def test_vocabularies_the_fused_kernel_does_not_take_fall_back_to_the_composite():
+def test_vocabularies_the_fused_kernel_does_not_take_fall_back_to_the_composite(monkeypatch):
     """4096 tokens and fewer (the fold needs 64 x 128 padded slots) go op by op, same contract."""
     from samebits import batch_invariant
     from samebits.kernels.sample_triton import supported
     from samebits.numerics import ops, scope
 
+    calls = _spy(monkeypatch)
     logits, temps, keys, random_row = _rows(7, 4096, seed=2)
     assert not supported(logits) and supported(_rows(1, 4097, seed=2)[0])
     scope.push_profile("exact")
@@ -112,4 +126,28 @@ def test_vocabularies_the_fused_kernel_does_not_take_fall_back_to_the_composite(
             want = _composite(logits, temps, keys, random_row)
     finally:
         scope.pop_profile()
+    assert not calls
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("vocab", [151936, 8192])
+def test_rows_with_nan_or_infinite_logits_get_the_op_by_op_results(vocab):
+    """A NaN logit is the largest value, as in torch.argmax/amax: the row's token is its first
+    NaN and its log-prob NaN; an all-NaN or all -inf row takes token 0; a +inf logit wins
+    greedy. 8192 is a power of two (no padding past the vocabulary). Control: an argmax that
+    passes over NaN (what `tl.max` alone does) picks another token for the partly-NaN row."""
+    from samebits import batch_invariant
+    from samebits.kernels.sample_triton import sample
+
+    logits, temps, keys, random_row = _rows(6, vocab, seed=5)
+    logits[1, 77], logits[1, vocab - 5] = float("nan"), float("nan")
+    logits[2] = float("nan")
+    logits[3, 10] = float("inf")
+    logits[4] = float("-inf")
+    with batch_invariant():
+        want_tok, want_lp = _composite(logits, temps, keys, random_row)
+    got_tok, got_lp = sample(logits, temps, keys, random_row)
+    assert torch.equal(got_tok, want_tok)
+    torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=0, equal_nan=True)  # bitwise, NaN = NaN
+    assert want_tok[1] == 77 and want_tok[2] == 0 and want_tok[4] == 0
+    assert torch.nan_to_num(logits[1].float(), nan=float("-inf")).argmax() != 77

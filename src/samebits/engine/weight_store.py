@@ -81,9 +81,11 @@ class WeightStore:
         self.released = False
         # parameters that share one storage (a layer's q/k/v, read back to back by the loader),
         # in storage order: resume() allocates each group as one buffer again
-        by_storage: dict[int, list[str]] = {}
+        by_storage: dict[tuple, list[str]] = {}
         for n in self._units:
-            by_storage.setdefault(self.params[n].untyped_storage().data_ptr(), []).append(n)
+            p = self.params[n]
+            key = (p.untyped_storage().data_ptr(), p.dtype, p.device) if p.numel() else (n,)  # empty: alone
+            by_storage.setdefault(key, []).append(n)
         self._groups = [
             sorted(names, key=lambda n: self.params[n].storage_offset()) for names in by_storage.values()
         ]

@@ -1,10 +1,11 @@
 """Batch-invariant matmul for CUDA: a Triton kernel and its launcher.
 
-One BLOCK_K for every M: the per-row K order is what must never change. The
-M/N tiles, warps and stages may follow M (measured to keep the bits). No
+One BLOCK_K for every shape: the per-element K order is what must never change. The
+M/N tiles, warps and stages may follow M and N (measured to keep the bits). No
 split-K: each output tile is computed by one program that walks K from 0 up in
-BLOCK_K steps, accumulating in fp32, so a row's bits depend on its own values,
-K and N alone, never on M or on the rows beside it. fp32 inputs use IEEE fp32
+BLOCK_K steps, accumulating in fp32, so an output element's bits depend on its own row
+and column and K alone, never on M, N or the rows and columns beside it (which is what
+lets q/k/v run as one GEMM, `ops.projections`). fp32 inputs use IEEE fp32
 products (never TF32). `matmul_ref` in `matmul.py` is the portable version.
 """
 

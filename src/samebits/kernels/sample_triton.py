@@ -18,7 +18,10 @@ The same roundings in the same order as the torch path:
   `enable_fp_fusion=False`).
 - exp and log are libdevice's `expf`/`logf`, the functions torch's CUDA kernels call
   (`tl.exp`/`tl.log` may lower to the approximate `ex2`/`lg2` instructions); the race's
-  division is `div_rn` (IEEE), as torch's `/`.
+  division is `div_rn` (IEEE), as torch's `/`. Triton compiles libdevice with flush to zero,
+  so an exp that torch rounds to a subnormal (arguments below about -87.3) is 0 here: such
+  a p can never win the race (the best token has p >= 1/V), and such a term of the sum
+  cannot move a total >= 1; the tests compare every bit of the results.
 - The noise is `fmix32` in uint32 lanes: integer ops, so the same bits as the int64 lanes.
 - The sum: `tree_sum_ref` over a row of V is the halving tree of the row padded to W (the
   next power of two): fold element i onto i + W/2, then W/4, ... Split W = S * C with
@@ -26,8 +29,11 @@ The same roundings in the same order as the torch path:
   (c < S, folded c onto c + S/2 first), and the last log2(C) folds are the halving tree of
   the C lanes. `_sum_kernel` computes each lane's tree with elementwise adds of [L]-lane
   vectors (c = a + 8b: a tree over b per a, then over a), `_total_kernel` the lanes' tree
-  (`tree_sum_block`). Pads are 0: every sum holds exp(0) = 1, so a zero's sign is moot.
-Argmaxes keep the lowest index among equal values (torch.argmax's documented rule).
+  (`tree_sum_block`). Pads are +0.0 where `tree_sum_ref` pads with -0.0: every term is an
+  exp, never -0.0, so a +0.0 pad adds nothing either.
+Argmaxes keep the lowest index among equal values (torch.argmax's documented rule) and take
+a NaN as the largest value, as torch.argmax and amax do: a row with a NaN logit gets NaN
+log-probs and its first NaN token, as the op-by-op path gives it.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ from triton.language.extra import libdevice
 from samebits.kernels.reduce_triton import _INTERPRET, MAX_WIDTH, tree_sum_block
 from samebits.kernels.sample import MIX1, MIX2, UNIFORM_BITS
 
-_MIX1, _MIX2, _UNIFORM_BITS = tl.constexpr(MIX1), tl.constexpr(MIX2), tl.constexpr(UNIFORM_BITS)
+_MIX1, _MIX2 = tl.constexpr(MIX1), tl.constexpr(MIX2)
+_UNIFORM_SHIFT, _UNIFORM_SCALE = tl.constexpr(32 - UNIFORM_BITS), tl.constexpr(1.0 / (1 << UNIFORM_BITS))
 
 LANES = 128  # L: lanes per program (a program's tile is [S, L], S * L <= 8192 elements)
 STRIDED = 64  # S: strided elements per lane
@@ -94,16 +101,23 @@ def _tile(logits_ptr, row, stride, vocab, p, S: tl.constexpr, L: tl.constexpr, C
 
 @triton.jit
 def _first_max(v, ids):
-    """The max of v [n] and the lowest id holding it."""
+    """The max of v [n] and the lowest id holding it, NaN the largest value (torch.argmax's
+    and amax's rule; `tl.max` alone would pass over a NaN)."""
+    nan_id = tl.min(tl.where(v != v, ids, _BIG), axis=0)
     best = tl.max(v, axis=0)
-    return best, tl.min(tl.where(v == best, ids, _BIG), axis=0)
+    first = tl.min(tl.where(v == best, ids, _BIG), axis=0)
+    has_nan = nan_id < _BIG
+    return tl.where(has_nan, float("nan"), best), tl.where(has_nan, nan_id, first)
 
 
 @triton.jit
 def _first_max_2d(v, ids):
-    """The max of v [S, L] and the lowest id holding it."""
+    """`_first_max` of v [S, L]."""
+    nan_id = tl.min(tl.min(tl.where(v != v, ids, _BIG), axis=1), axis=0)
     best = tl.max(tl.max(v, axis=1), axis=0)
-    return best, tl.min(tl.min(tl.where(v == best, ids, _BIG), axis=1), axis=0)
+    first = tl.min(tl.min(tl.where(v == best, ids, _BIG), axis=1), axis=0)
+    has_nan = nan_id < _BIG
+    return tl.where(has_nan, float("nan"), best), tl.where(has_nan, nan_id, first)
 
 
 @triton.jit
@@ -212,7 +226,7 @@ def _race_kernel(
     key0 = tl.load(keys_ptr + row * 2).to(tl.uint32)
     key1 = tl.load(keys_ptr + row * 2 + 1).to(tl.uint32)
     h = _fmix32(_fmix32(ids.to(tl.uint32) ^ key0) ^ key1)
-    u = ((h >> (32 - _UNIFORM_BITS)).to(tl.float32) + 0.5) * (1.0 / (1 << _UNIFORM_BITS))  # `uniform`
+    u = ((h >> _UNIFORM_SHIFT).to(tl.float32) + 0.5) * _UNIFORM_SCALE  # `kernels.sample.uniform`
     ratio = tl.where(mask, tl.div_rn(probs, -_logf(u)), -1.0)  # ratios >= 0: pads never win
     best, first = _first_max_2d(ratio, ids)
     positive = tl.max(tl.max(tl.where(mask & (probs > 0), 1, 0), axis=1), axis=0)
@@ -223,7 +237,7 @@ def _race_kernel(
 
 @triton.jit
 def _finish_kernel(
-    logits_ptr, stride, temps_ptr, random_ptr, max_val_ptr, max_idx_ptr, race_val_ptr, race_idx_ptr,
+    logits_ptr, stride, vocab, temps_ptr, random_ptr, max_val_ptr, max_idx_ptr, race_val_ptr, race_idx_ptr,
     any_ptr, shift_ptr, log_total_ptr, tokens_ptr, out_lp_ptr, P: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
@@ -233,7 +247,8 @@ def _finish_kernel(
     usable = (tl.max(tl.load(any_ptr + parts), axis=0) > 0) & (tl.load(random_ptr + row) != 0)
     token = tl.where(usable, raced, greedy)
     r = tl.div_rn(1.0, tl.load(temps_ptr + row))
-    x = tl.load(logits_ptr + row * stride + token).to(tl.float32)
+    # (token < vocab always: a row of NaN or -inf logits takes its first id; the mask is a guard)
+    x = tl.load(logits_ptr + row * stride + token, mask=token < vocab, other=float("nan")).to(tl.float32)
     tl.store(tokens_ptr + row, token.to(tl.int64))
     tl.store(out_lp_ptr + row, (x * r - tl.load(shift_ptr + row)) - tl.load(log_total_ptr + row))
 
@@ -288,7 +303,7 @@ def sample(
         **tile,
     )
     _finish_kernel[(n,)](
-        logits, stride, temps, random_row, max_val, max_idx, race_val, race_idx, positive, shift, log_total,
-        tokens, out_lp, P=p, num_warps=1, enable_fp_fusion=False,
+        logits, stride, vocab, temps, random_row, max_val, max_idx, race_val, race_idx, positive, shift,
+        log_total, tokens, out_lp, P=p, num_warps=1, enable_fp_fusion=False,
     )  # fmt: skip
     return tokens, out_lp

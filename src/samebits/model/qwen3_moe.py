@@ -59,7 +59,7 @@ class Attention(nn.Module):
         """q, k, v projections of x [T, H] (`ops.projections`: one GEMM on CUDA when the
         loader put the three weights back to back)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        if self.q_proj.bias is not None:
+        if any(p.bias is not None for p in projs):
             return tuple(p(x) for p in projs)
         return ops.projections(x, [p.weight for p in projs])
 
