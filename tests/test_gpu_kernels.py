@@ -301,3 +301,44 @@ def test_one_gemm_over_adjacent_qkv_gives_each_projection_its_own_bits():
         alone = [linear(x, w) for w in weights]
     assert three[0].untyped_storage().data_ptr() != three[1].untyped_storage().data_ptr()
     assert all(torch.equal(a, b) for a, b in zip(three, alone, strict=True))
+
+
+@pytest.mark.parametrize("t", [1, 7, 300])
+def test_one_launch_qk_norm_rope_and_cache_writes_give_the_op_by_op_bits(t):
+    """The fused q/k RMSNorm + rotary + K/V cache writes equal `rms_norm`, `apply_rotary` and the
+    index_puts op by op under batch_invariant(), on q/k/v that are column views of one q/k/v
+    GEMM. Control: the same kernel with FMA contraction (Triton's default) differs."""
+    import numpy as np
+    import triton
+
+    from samebits import batch_invariant
+    from samebits.kernels import norm_rope_triton as nr
+    from samebits.numerics import registry
+    from samebits.numerics.ops import rotary_cos_sin, rotary_inv_freq
+
+    h, kvh, d = 32, 4, 128
+    qkv = torch.randn(t, (h + 2 * kvh) * d, device="cuda", generator=_g(50)).bfloat16()
+    q, k, v = (y.view(t, -1, d) for y in qkv.split([h * d, kvh * d, kvh * d], -1))
+    qw = (1 + 0.1 * torch.randn(d, device="cuda", generator=_g(51))).bfloat16()
+    kw = (1 + 0.1 * torch.randn(d, device="cuda", generator=_g(52))).bfloat16()
+    pos = torch.randint(0, 4000, (t,), device="cuda", generator=_g(53))
+    cos, sin = rotary_cos_sin(q, pos, rotary_inv_freq(d, 1e6).cuda(), 1.0)
+    slots = torch.randperm(512, device="cuda", generator=_g(54))[:t]
+    caches = [torch.zeros(512, kvh, d, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    assert nr.qk_norm_rope_cache_supported(q, k, v, qw, kw, cos, caches[2], caches[3])
+    with batch_invariant():
+        want = registry._qk_norm_rope_cache_composite(
+            q, k, v, qw, kw, 1e-6, cos, sin, caches[0], caches[1], slots
+        )
+    got = nr.qk_norm_rope_cache(q, k, v, qw, kw, 1e-6, cos, sin, caches[2], caches[3], slots)
+    assert torch.equal(got, want)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    contracted = torch.empty_like(got)
+    c, s = cos.contiguous(), sin.contiguous()
+    nr.qk_norm_rope_cache_kernel[(t,)](
+        q, k, v, qw, kw, c, s, contracted, caches[2], caches[3], slots,
+        h, kvh, float(np.float32(1.0) / np.float32(d)), 1e-6,
+        q.stride(0), k.stride(0), v.stride(0), c.stride(0), contracted.stride(0), caches[2].stride(0),
+        BLOCK_H=h, BLOCK_KVH=triton.next_power_of_2(kvh), D=d, num_warps=4,
+    )  # fmt: skip
+    assert not torch.equal(contracted, want)

@@ -162,3 +162,105 @@ def rotary_supported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, unsque
         and d & (d - 1) == 0
         and q.dtype == k.dtype == cos.dtype
     )
+
+
+@triton.jit
+def _row_tree(s, ROWS: tl.constexpr, D: tl.constexpr):
+    """[ROWS, D] -> [ROWS]: each row's halving tree (`tree_sum_block`'s order, D a power of two
+    <= 256)."""
+    if D >= 2:
+        s = tl.sum(tl.reshape(s, (ROWS, 2, D // 2)), axis=1)
+    if D >= 4:
+        s = tl.sum(tl.reshape(s, (ROWS, 2, D // 4)), axis=1)
+    if D >= 8:
+        s = tl.sum(tl.reshape(s, (ROWS, 2, D // 8)), axis=1)
+    if D >= 16:
+        s = tl.sum(tl.reshape(s, (ROWS, 2, D // 16)), axis=1)
+    if D >= 32:
+        s = tl.sum(tl.reshape(s, (ROWS, 2, D // 32)), axis=1)
+    if D >= 64:
+        s = tl.sum(tl.reshape(s, (ROWS, 2, D // 64)), axis=1)
+    if D >= 128:
+        s = tl.sum(tl.reshape(s, (ROWS, 2, D // 128)), axis=1)
+    if D >= 256:
+        s = tl.sum(tl.reshape(s, (ROWS, 2, D // 256)), axis=1)
+    return tl.reshape(s, (ROWS,))
+
+
+@triton.jit
+def _norm_rope_heads(x_ptr, w_ptr, heads, cos, sin, inv_n, eps, d, BLOCK_H: tl.constexpr, D: tl.constexpr):
+    """x [BLOCK_H, D] rows at x_ptr (row stride D) -> RMSNorm'd (weight w) then rotated, in the
+    activation dtype: what `rms_norm` then `apply_rotary` give, each rounding on its own."""
+    hh = tl.arange(0, BLOCK_H)[:, None]
+    mask = hh < heads
+    partner_d = (d + D // 2) % D
+    x = tl.load(x_ptr + hh * D + d, mask=mask, other=0.0)
+    dt = x.dtype
+    xf = x.to(tl.float32)
+    xp = tl.load(x_ptr + hh * D + partner_d, mask=mask, other=0.0).to(tl.float32)
+    rsq = tl.math.rsqrt(_row_tree(xf * xf, BLOCK_H, D) * inv_n + eps)[:, None]
+    w = tl.load(w_ptr + d).to(tl.float32)
+    wp = tl.load(w_ptr + partner_d).to(tl.float32)
+    normed = (w * (xf * rsq).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    normed_p = (wp * (xp * rsq).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    rot = tl.where(d < D // 2, -normed_p, normed_p)  # rotate_half: cat(-x2, x1)
+    return ((normed * cos).to(dt).to(tl.float32) + (rot * sin).to(dt).to(tl.float32)).to(dt), mask
+
+
+@triton.jit
+def qk_norm_rope_cache_kernel(
+    q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    heads, kv_heads, inv_n, eps,
+    stride_qt, stride_kt, stride_vt, stride_ct, stride_qo, stride_cache,
+    BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    """One token per program: q and k RMSNorm'd and rotated, q written out, k and v written to
+    their cache slot (what `paged_attention`'s index_put writes)."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, D)[None, :]
+    cos = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
+    sin = tl.load(sin_ptr + t * stride_ct + d).to(tl.float32)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    q, q_mask = _norm_rope_heads(q_ptr + t * stride_qt, qw_ptr, heads, cos, sin, inv_n, eps, d, BLOCK_H, D)
+    tl.store(q_out_ptr + t * stride_qo + tl.arange(0, BLOCK_H)[:, None] * D + d, q, mask=q_mask)
+    k, k_mask = _norm_rope_heads(k_ptr + t * stride_kt, kw_ptr, kv_heads, cos, sin, inv_n, eps, d, BLOCK_KVH, D)
+    kv_rows = tl.arange(0, BLOCK_KVH)[:, None] * D + d
+    tl.store(k_cache_ptr + slot * stride_cache + kv_rows, k, mask=k_mask)
+    v = tl.load(v_ptr + t * stride_vt + kv_rows, mask=k_mask, other=0.0)
+    tl.store(v_cache_ptr + slot * stride_cache + kv_rows, v, mask=k_mask)
+
+
+def qk_norm_rope_cache_supported(q, k, v, q_weight, k_weight, cos, k_cache, v_cache) -> bool:
+    """3-D q/k/v of one dtype whose heads are contiguous rows of D (a power of two <= 256), norm
+    weights of that dtype, cos [T, D], and caches [slots, KVH, D] contiguous."""
+    d = q.shape[-1]
+    tensors = (q, k, v)
+    return (
+        all(x.dim() == 3 and x.shape[-1] == d and x.stride(2) == 1 and x.stride(1) == d for x in tensors)
+        and q.dtype == k.dtype == v.dtype == q_weight.dtype == k_weight.dtype == cos.dtype == k_cache.dtype
+        and d & (d - 1) == 0
+        and 2 <= d <= 256
+        and cos.dim() == 2
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and k_cache.shape[1:] == k.shape[1:]
+        and v_cache.shape == k_cache.shape
+    )
+
+
+def qk_norm_rope_cache(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slot_mapping):
+    """q [T, H, D], k/v [T, KVH, D] -> q RMSNorm'd and rotated [T, H, D]; k (RMSNorm'd, rotated)
+    and v written into k_cache/v_cache [slots, KVH, D] at slot_mapping [T]. One launch for what
+    `rms_norm` x2, `apply_rotary` and two index_puts do, with their bits."""
+    t, h, d = q.shape
+    out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
+    if t:
+        cos, sin = cos.contiguous(), sin.contiguous()
+        qk_norm_rope_cache_kernel[(t,)](
+            q, k, v, q_weight, k_weight, cos, sin, out, k_cache, v_cache, slot_mapping,
+            h, k.shape[1], float(np.float32(1.0) / np.float32(d)), eps,
+            q.stride(0), k.stride(0), v.stride(0), cos.stride(0), out.stride(0), k_cache.stride(0),
+            BLOCK_H=triton.next_power_of_2(h), BLOCK_KVH=triton.next_power_of_2(k.shape[1]), D=d,
+            num_warps=4, enable_fp_fusion=False,
+        )  # fmt: skip
+    return out

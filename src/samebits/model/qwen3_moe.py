@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from samebits.model import loader
-from samebits.model.attention import AttentionBatch, paged_attention
+from samebits.model.attention import AttentionBatch, attention
 from samebits.model.config import ModelConfig
 from samebits.model.config_match import config_differences, refuse_other_shape
 from samebits.model.family import build_model, text_positions
@@ -47,12 +47,12 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, meta: AttentionBatch, kv_cache):
         t = x.shape[0]
-        q, k, v = self.project_qkv(x)
-        q = self.q_norm(q.view(t, -1, self.head_dim))  # [T, H, D]
-        k = self.k_norm(k.view(t, -1, self.head_dim))  # [T, KVH, D]
-        v = v.view(t, -1, self.head_dim)
-        q, k = ops.apply_rotary(q, k, cos, sin, 1)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scaling)
+        q, k, v = (y.view(t, -1, self.head_dim) for y in self.project_qkv(x))  # [T, H or KVH, D]
+        q = ops.qk_norm_rope_cache(  # k, v go to the cache
+            q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon,
+            cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping,
+        )  # fmt: skip
+        out = attention(q, kv_cache[0], kv_cache[1], meta, self.scaling)
         return self.o_proj(out.reshape(t, -1))
 
     def project_qkv(self, x):

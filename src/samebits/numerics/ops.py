@@ -184,6 +184,28 @@ def projections(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[torch.Ten
     return pick("projections", x.device.type)(x, weights)
 
 
+def qk_norm_rope_cache(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_weight: Tensor,
+    k_weight: Tensor,
+    eps: float,
+    cos: Tensor,
+    sin: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+) -> Tensor:
+    """An attention layer's q/k RMSNorm (`rms_norm`), rotary (`apply_rotary`) and K/V cache
+    writes: q [T, H, D], k/v [T, KVH, D] -> the rotated q; the rotated k and v are written into
+    k_cache/v_cache [slots, KVH, D] at slot_mapping [T]. On CUDA the registry runs it as one
+    launch with the op-by-op bits (`norm_rope_triton.qk_norm_rope_cache`)."""
+    return pick("qk_norm_rope_cache", q.device.type)(
+        q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slot_mapping
+    )
+
+
 def reported_logprobs(logits: torch.Tensor, temperatures: list[float] | torch.Tensor) -> torch.Tensor:
     """logits [N, V] -> float32 log-probs [N, V], each row at its temperature (0 -> 1).
 

@@ -116,6 +116,41 @@ def _apply_rotary_cuda(q, k, cos, sin, unsqueeze_dim=1):
     return composite.apply_rotary(q, k, cos, sin, unsqueeze_dim)
 
 
+_FUSED_QK = _lazy("samebits.kernels.norm_rope_triton", "qk_norm_rope_cache")
+
+
+def _qk_norm_rope_cache_composite(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots):
+    """q/k RMSNorm, rotary, K/V cache writes, op by op (each op the registry's own choice)."""
+    dev = q.device.type
+    q = pick("rms_norm", dev)(q, q_weight, eps)
+    k = pick("rms_norm", dev)(k, k_weight, eps)
+    q, k = pick("apply_rotary", dev)(q, k, cos, sin, 1)
+    k_cache[slots] = k
+    v_cache[slots] = v
+    return q
+
+
+def _fused_qk_ok(q, k, v, q_weight, k_weight, cos, k_cache, v_cache) -> bool:
+    if not triton_available():
+        return False
+    from samebits.kernels.norm_rope_triton import qk_norm_rope_cache_supported
+
+    return qk_norm_rope_cache_supported(q, k, v, q_weight, k_weight, cos, k_cache, v_cache)
+
+
+# the fused norms' tree is transformers' bits inside batch_invariant() only (see the norms above)
+def _qk_norm_rope_cache_exact_cuda(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots):
+    if scope.invariant_depth() and _fused_qk_ok(q, k, v, q_weight, k_weight, cos, k_cache, v_cache):
+        return _FUSED_QK(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots)
+    return _qk_norm_rope_cache_composite(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots)
+
+
+def _qk_norm_rope_cache_fast_cuda(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots):
+    if _fused_qk_ok(q, k, v, q_weight, k_weight, cos, k_cache, v_cache):
+        return _FUSED_QK(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots)
+    return _qk_norm_rope_cache_composite(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots)
+
+
 def _projections_separate(x, weights):
     return tuple(F.linear(x, w) for w in weights)
 
@@ -200,6 +235,11 @@ TABLE: dict[str, dict[str, dict[str, Callable]]] = {
     # row-invariant GEMMs (batch_invariant()'s mm, addmm, bmm overrides)
     "matmul": {"cpu": {ANY: matmul_ref}, "cuda": {ANY: _lazy("samebits.kernels.matmul_triton", "matmul")}},
     "bmm": {"cpu": {ANY: bmm_ref}, "cuda": {ANY: _lazy("samebits.kernels.matmul_triton", "bmm")}},
+    # a layer's q/k RMSNorm, rotary and K/V cache writes: on CUDA one fused launch
+    "qk_norm_rope_cache": {
+        "cpu": {ANY: _qk_norm_rope_cache_composite},
+        "cuda": {"exact": _qk_norm_rope_cache_exact_cuda, "fast": _qk_norm_rope_cache_fast_cuda},
+    },
     # x @ w_i.T for weights sharing x (a layer's q/k/v): on CUDA one GEMM when they are adjacent
     "projections": {
         "cpu": {ANY: _projections_separate},
