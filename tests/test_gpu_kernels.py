@@ -69,6 +69,45 @@ def test_triton_attention_same_bits_packed_chunked_and_decode(h, kvh, d):
     assert not torch.equal(out, packed[start:end])
 
 
+@pytest.mark.parametrize("h,kvh,d", [(32, 4, 128), (6, 2, 24)])
+def test_split_keys_give_the_bits_of_one_program_per_tile(h, kvh, d):
+    """Decode batches whose keys are split into parallel programs (merged by a second launch)
+    give the bits of the one-program path and of the trainer's packed rows, at positions on
+    both sides of every chunk edge, one query per sequence and several. Control: another chunk
+    size changes rows past its first chunk and none before it."""
+    from samebits.kernels.attention_triton import CHUNK, attention
+
+    lens = [1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 7, 1000]
+    s = max(lens)
+    q = torch.randn(s, h, d, device="cuda", generator=_g(40)).bfloat16()
+    k = torch.randn(s, kvh, d, device="cuda", generator=_g(41)).bfloat16()
+    v = torch.randn(s, kvh, d, device="cuda", generator=_g(42)).bfloat16()
+    scale = d**-0.5
+    table1 = torch.arange(s, dtype=torch.int32, device="cuda")[None]
+    packed = attention(q, k, v, table1, *_int(0, s, s), s, scale, 1)  # the trainer's path, one program per tile
+    kc, vc, table = _paged(k, v, 16, seed=43)
+    tables = table.expand(len(lens), -1).contiguous()
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    starts = torch.arange(len(lens), dtype=torch.int32, device="cuda")
+    ones = torch.ones(len(lens), dtype=torch.int32, device="cuda")
+    qs = torch.stack([q[n - 1] for n in lens])
+    for split in (True, False):
+        out = attention(qs, kc, vc, tables, starts, ones, lens_t, 1, scale, 16, split=split)
+        for i, n in enumerate(lens):
+            assert torch.equal(out[i], packed[n - 1]), (split, n)
+    three = [n for n in lens if n >= 3]  # 3 queries per sequence in one split call
+    q3 = torch.cat([q[n - 3 : n] for n in three]).contiguous()
+    out = attention(
+        q3, kc, vc, tables[: len(three)], starts[: len(three)] * 3, ones[: len(three)] * 3,
+        torch.tensor(three, dtype=torch.int32, device="cuda"), 3, scale, 16, split=True,
+    )  # fmt: skip
+    for i, n in enumerate(three):
+        assert torch.equal(out[3 * i : 3 * i + 3], packed[n - 3 : n]), n
+    other = attention(q, k, v, table1, *_int(0, s, s), s, scale, 1, chunk=CHUNK // 2)
+    assert torch.equal(other[: CHUNK // 2], packed[: CHUNK // 2])
+    assert not torch.equal(other[CHUNK // 2 :], packed[CHUNK // 2 :])
+
+
 def _experts_inputs(t, e=128, k=8, h=2048, i=768, seed=0):
     x = torch.randn(t, h, device="cuda", generator=_g(seed)).bfloat16()
     logits = torch.randn(t, e, device="cuda", generator=_g(seed + 1))

@@ -2,15 +2,21 @@
 
 Prefill over packed sequences, chunked prefill over cached KV, decode and the
 trainer's packed forward all launch `attention_kernel` with the same
-compile-time configuration. A program owns BLOCK_M rows = (query tokens x the
-query heads of one kv head) of one sequence and walks that sequence's keys from
-key 0 up in BLOCK_N blocks (flash-style online softmax, fp32 statistics and
-accumulator). Blocks start at key 0 whatever the path, so a query row at
-position p always meets the same blocks with the same masks; a block wholly past
-p is an exact no-op for that row (its max is unchanged, so the rescale factor
-is 1.0 and it adds zeros). A row's bits therefore depend on its own query, its
-own keys 0..p and nothing else: not the batch, not the chunking, not the rows
-sharing its tile. No split-KV.
+compile-time configuration. A tile is BLOCK_M rows = (query tokens x the query
+heads of one kv head) of one sequence. Its keys are split into chunks of CHUNK
+keys from key 0: [0, CHUNK), [CHUNK, 2 CHUNK), ...; each chunk is walked in
+BLOCK_N blocks with a flash-style online softmax from fresh statistics (fp32),
+and the chunks' (max, sum, accumulator) are merged in chunk order. Either one
+program walks and merges every chunk of its tile, or (`split`, for calls with
+one tile per sequence and too few programs to fill the GPU: small decode
+batches) one program per chunk stores its statistics and `combine_kernel` merges
+them in the same order with the same operations; every launch turns off FMA
+contraction, so both give the same bits. Chunks and blocks start at key 0
+whatever the path, so a query row at position p always meets the same chunks
+and blocks with the same masks; a block or chunk wholly past p is an exact no-op
+for that row. A row's bits therefore depend on its own query, its own keys 0..p
+and nothing else: not the batch, not the chunking of the prefill, not the rows
+sharing its tile, not whether its chunks ran in one program or several.
 
 Keys are read through a page table: key j of sequence b sits at slot
 `block_table[b, j // page_size] * page_size + j % page_size` of a
@@ -33,67 +39,29 @@ import triton
 import triton.language as tl
 
 BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 64, 4, 2
+# Keys per chunk. Every path splits a row's keys into chunks [0, CHUNK), [CHUNK, 2 CHUNK), ...;
+# each chunk's online softmax starts afresh and the chunks merge in order, either in the same
+# program (prefill, the trainer, big decode batches) or in parallel programs plus a merging
+# launch (small decode batches): the same operations, so the same bits.
+CHUNK = 256
 _DTYPES = (torch.bfloat16, torch.float16)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (development only)
 
 
 @triton.jit
-def attention_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    o_ptr,
-    block_table_ptr,
-    q_start_ptr,
-    q_len_ptr,
-    ctx_len_ptr,
-    scale,
-    page_size,
-    stride_qt,
-    stride_qh,
-    stride_ks,
-    stride_kh,
-    stride_vs,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    stride_bt,
-    G: tl.constexpr,
-    G_PAD: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    b = tl.program_id(0)
-    tile = tl.program_id(1)
-    kvh = tl.program_id(2)
-    TOKENS: tl.constexpr = BLOCK_M // G_PAD
-    q_len = tl.load(q_len_ptr + b)
-    if tile * TOKENS >= q_len:
-        return
-    q_start = tl.load(q_start_ptr + b)
-    ctx_len = tl.load(ctx_len_ptr + b)
-    rows = tl.arange(0, BLOCK_M)
-    tok = tile * TOKENS + rows // G_PAD  # query index within this sequence's chunk
-    head = kvh * G + rows % G_PAD
-    valid = (tok < q_len) & (rows % G_PAD < G)
-    pos = tl.where(valid, ctx_len - q_len + tok, 0)  # [BLOCK_M]; padding rows see key 0 only
-    d = tl.arange(0, BLOCK_D)
-    q = tl.load(
-        q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=valid[:, None] & (d[None, :] < D),
-        other=0.0,
-    )
+def _attend_chunk(
+    q, k_ptr, v_ptr, block_table_ptr, b, kvh, c_start, c_end, pos, d, scale, page_size,
+    stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Online softmax of the tile's rows over keys [c_start, c_end) (one chunk), from fresh
+    statistics -> (m, l, acc). A row with no key in the chunk gets m = -inf, l = 0, acc = 0."""
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    hi = ctx_len - q_len + (tile + 1) * TOKENS  # keys any row of the tile sees
-    if hi > ctx_len:
-        hi = ctx_len
-    for start in range(0, hi, BLOCK_N):
+    for start in range(c_start, c_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
-        in_ctx = keys < hi
+        in_ctx = keys < c_end
         page = tl.load(block_table_ptr + b * stride_bt + keys // page_size, mask=in_ctx, other=0)
         slot = (page * page_size + keys % page_size).to(tl.int64)
         kv_mask = in_ctx[:, None] & (d[None, :] < D)
@@ -102,16 +70,156 @@ def attention_kernel(
         s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N] fp32
         s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays at 0s
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
-    out = acc / l_i[:, None]
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _chunk_end(c_start, hi, CHUNK: tl.constexpr):
+    c_end = c_start + CHUNK
+    if c_end > hi:
+        c_end = hi
+    return c_end
+
+
+@triton.jit
+def _merge(m, l_run, acc, m_c, l_c, acc_c):
+    """Fold one chunk's statistics into the running ones; a chunk the row has no key in
+    (m_c = -inf) leaves them exactly as they were."""
+    m_new = tl.maximum(m, m_c)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.exp(m - m_safe)
+    c = tl.exp(m_c - m_safe)
+    skip = m_c == float("-inf")
+    l_new = l_run * a + l_c * c
+    acc_new = acc * a[:, None] + acc_c * c[:, None]
+    return tl.where(skip, m, m_new), tl.where(skip, l_run, l_new), tl.where(skip[:, None], acc, acc_new)
+
+
+@triton.jit
+def _tile_rows(
+    b,
+    tile,
+    kvh,
+    q_start_ptr,
+    q_len_ptr,
+    ctx_len_ptr,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """The tile's rows (query tokens x the kv head's query heads): (q_len, q_start, token,
+    head, valid, position, hi = keys any row of the tile sees)."""
+    TOKENS: tl.constexpr = BLOCK_M // G_PAD
+    q_len = tl.load(q_len_ptr + b)
+    q_start = tl.load(q_start_ptr + b)
+    ctx_len = tl.load(ctx_len_ptr + b)
+    rows = tl.arange(0, BLOCK_M)
+    tok = tile * TOKENS + rows // G_PAD  # query index within this sequence's chunk
+    head = kvh * G + rows % G_PAD
+    valid = (tok < q_len) & (rows % G_PAD < G)
+    pos = tl.where(valid, ctx_len - q_len + tok, 0)  # [BLOCK_M]; padding rows see key 0 only
+    hi = ctx_len - q_len + (tile + 1) * TOKENS
+    if hi > ctx_len:
+        hi = ctx_len
+    return q_len, q_start, tok, head, valid, pos, hi
+
+
+@triton.jit
+def attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, block_table_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, chunks,
+    scale, page_size,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """Whole (SPLIT False): program (sequence, tile, kv head) walks the chunks of its keys in
+    order, merging each. Split: program (sequence, chunk, kv head) of a one-tile call computes
+    one chunk and stores its statistics at [query row, chunk, head] for `combine_kernel`."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(2)
+    tile = 0 if SPLIT else tl.program_id(1)
+    q_len, q_start, tok, head, valid, pos, hi = _tile_rows(
+        b, tile, kvh, q_start_ptr, q_len_ptr, ctx_len_ptr, G, G_PAD, BLOCK_M
+    )
+    if tile * (BLOCK_M // G_PAD) >= q_len:
+        return
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(
+        q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=valid[:, None] & (d[None, :] < D),
+        other=0.0,
+    )
+    if SPLIT:
+        c_start = tl.program_id(1) * CHUNK
+        if c_start >= hi:
+            return
+        m_c, l_c, acc_c = _attend_chunk(
+            q, k_ptr, v_ptr, block_table_ptr, b, kvh, c_start, _chunk_end(c_start, hi, CHUNK), pos, d,
+            scale, page_size, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
+            D, BLOCK_M, BLOCK_D, BLOCK_N,
+        )  # fmt: skip
+        at = ((q_start + tok).to(tl.int64) * chunks + tl.program_id(1)) * (G * tl.num_programs(2)) + head
+        tl.store(part_m_ptr + at, m_c, mask=valid)
+        tl.store(part_l_ptr + at, l_c, mask=valid)
+        tl.store(part_acc_ptr + at[:, None] * D + d[None, :], acc_c, mask=valid[:, None] & (d[None, :] < D))
+    else:
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_run = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        for c_start in range(0, hi, CHUNK):
+            m_c, l_c, acc_c = _attend_chunk(
+                q, k_ptr, v_ptr, block_table_ptr, b, kvh, c_start, _chunk_end(c_start, hi, CHUNK), pos, d,
+                scale, page_size, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
+                D, BLOCK_M, BLOCK_D, BLOCK_N,
+            )  # fmt: skip
+            m, l_run, acc = _merge(m, l_run, acc, m_c, l_c, acc_c)
+        tl.store(
+            o_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            (acc / l_run[:, None]).to(o_ptr.dtype.element_ty),
+            mask=valid[:, None] & (d[None, :] < D),
+        )
+
+
+@triton.jit
+def combine_kernel(
+    o_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, chunks,
+    stride_ot, stride_oh,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Program (sequence, kv head) of a split call: the chunks' statistics merged in order,
+    as the whole kernel merges them, then the output rows."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    q_len, q_start, tok, head, valid, pos, hi = _tile_rows(
+        b, 0, kvh, q_start_ptr, q_len_ptr, ctx_len_ptr, G, G_PAD, BLOCK_M
+    )
+    if q_len <= 0:
+        return
+    d = tl.arange(0, BLOCK_D)
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_run = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    heads = G * tl.num_programs(1)
+    for c in range(0, tl.cdiv(hi, CHUNK)):
+        at = ((q_start + tok).to(tl.int64) * chunks + c) * heads + head  # [T, chunks, H]
+        m_c = tl.load(part_m_ptr + at, mask=valid, other=float("-inf"))
+        l_c = tl.load(part_l_ptr + at, mask=valid, other=0.0)
+        acc_c = tl.load(
+            part_acc_ptr + at[:, None] * D + d[None, :], mask=valid[:, None] & (d[None, :] < D), other=0.0
+        )
+        m, l_run, acc = _merge(m, l_run, acc, m_c, l_c, acc_c)
     tl.store(
         o_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-        out.to(o_ptr.dtype.element_ty),
+        (acc / l_run[:, None]).to(o_ptr.dtype.element_ty),
         mask=valid[:, None] & (d[None, :] < D),
     )
 
@@ -129,13 +237,17 @@ def attention(
     page_size: int,
     out: torch.Tensor | None = None,
     block_n: int = BLOCK_N,
+    chunk: int = CHUNK,
+    split: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query over its own sequence's keys 0..p -> [T, H, D].
 
     Query i of sequence b sits at position ctx_len[b] - q_len[b] + i. The K/V of
     this call's tokens must already be in the cache. Rows of T that belong to no
-    sequence are left untouched in `out`. `block_n` exists for experiments and negative
-    controls: the engine and the trainer always use BLOCK_N.
+    sequence are left untouched in `out`. `split`: compute the chunks in parallel programs
+    and merge them in a second launch (the same bits; None: when the call has one tile per
+    sequence and too few programs to fill the GPU). `block_n` and `chunk` exist for
+    experiments and negative controls: the engine and the trainer always use the defaults.
     """
     check_attention_inputs(q, k_cache, v_cache)
     t, h, d = q.shape
@@ -145,43 +257,58 @@ def attention(
     for name, x in (("block_table", block_table), ("q_start", q_start), ("q_len", q_len), ("ctx_len", ctx_len)):
         if x.dtype != torch.int32 or x.device != q.device:
             raise ValueError(f"attention: {name} must be int32 on {q.device}, got {x.dtype} on {x.device}")
+    if chunk % block_n:
+        raise ValueError(f"attention: chunk ({chunk}) must be a multiple of block_n ({block_n})")
     if out is None:
         out = torch.empty_like(q)
     b = q_len.shape[0]
     if t == 0 or b == 0 or max_q_len == 0:
         return out
     tokens_per_tile = BLOCK_M // g_pad
-    grid = (b, triton.cdiv(max_q_len, tokens_per_tile), kvh)
-    attention_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        block_table,
-        q_start,
-        q_len,
-        ctx_len,
-        scale,
-        page_size,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_table.stride(0),
-        G=g,
-        G_PAD=g_pad,
-        D=d,
-        BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=block_n,
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+    one_tile = max_q_len <= tokens_per_tile
+    if split is None:
+        split = one_tile and b * kvh < _programs_to_fill(q.device)
+    if split and not one_tile:
+        raise ValueError(
+            f"attention: split needs at most {tokens_per_tile} queries per sequence, got {max_q_len}"
+        )
+    chunks = triton.cdiv(block_table.shape[1] * page_size, chunk)  # a bound on any sequence's chunks
+    if split:
+        part_m = torch.empty(t, chunks, h, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(t, chunks, h, d, dtype=torch.float32, device=q.device)
+        grid = (b, chunks, kvh)
+    else:
+        part_m = part_l = part_acc = out  # not read
+        grid = (b, triton.cdiv(max_q_len, tokens_per_tile), kvh)
+    shape = dict(
+        G=g, G_PAD=g_pad, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=BLOCK_M, CHUNK=chunk
     )
+    attention_kernel[grid](
+        q, k_cache, v_cache, out, block_table, q_start, q_len, ctx_len, part_m, part_l, part_acc, chunks,
+        scale, page_size,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), block_table.stride(0),
+        BLOCK_N=block_n, SPLIT=split, num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False,
+        **shape,
+    )  # fmt: skip
+    if split:
+        combine_kernel[(b, kvh)](
+            out, q_start, q_len, ctx_len, part_m, part_l, part_acc, chunks, out.stride(0), out.stride(1),
+            num_warps=NUM_WARPS, enable_fp_fusion=False, **shape,
+        )  # fmt: skip
     return out
+
+
+_FILL: dict[torch.device, int] = {}
+
+
+def _programs_to_fill(device: torch.device) -> int:
+    """Programs below which a one-tile call splits its keys: two per SM."""
+    if device not in _FILL:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+        _FILL[device] = 2 * sms
+    return _FILL[device]
 
 
 def paged_attention(
