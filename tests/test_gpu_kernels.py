@@ -381,3 +381,31 @@ def test_one_launch_qk_norm_rope_and_cache_writes_give_the_op_by_op_bits(t):
         BLOCK_H=h, BLOCK_KVH=triton.next_power_of_2(kvh), D=d, num_warps=4,
     )  # fmt: skip
     assert not torch.equal(contracted, want)
+
+
+@pytest.mark.parametrize("t", [1, 7, 64, 512, 600])
+def test_one_launch_routing_and_slot_sum_give_the_torch_ops_results(t):
+    """`route_kernel` gives `experts.route`'s order and offsets exactly (600 x 8 pairs: past
+    MAX_ROUTED, the torch ops themselves), and `slot_sum_kernel` the bits of `tree_sum_ref` over
+    the top-k slots. Control: summing the slots left to right rounds differently."""
+    from samebits.kernels import experts_triton as et
+    from samebits.kernels.experts import route
+    from samebits.kernels.reduce import tree_sum_ref
+
+    g = torch.Generator().manual_seed(t)
+    index = torch.stack([torch.randperm(128, generator=g)[:8] for _ in range(t)]).cuda()
+    index[: t // 2, 0] = 5  # one expert holds many pairs
+    order, offsets = et._route(index, 128)
+    want_order, want_offsets = route(index, 128)
+    assert torch.equal(order, want_order) and torch.equal(offsets, want_offsets)
+    per_slot = (
+        torch.randn(t * 8, 2048, device="cuda", generator=_g(t)) * torch.rand(t * 8, 1, device="cuda") * 100
+    )
+    out = torch.empty(t, 2048, dtype=torch.bfloat16, device="cuda")
+    et.slot_sum_kernel[(t, 2048 // et.SLOT_BLOCK_H)](per_slot, out, 2048, K=8, BLOCK_H=et.SLOT_BLOCK_H)
+    view = per_slot.view(t, 8, 2048)
+    assert torch.equal(out, tree_sum_ref(view, dim=1).bfloat16())
+    left_to_right = view[:, 0]
+    for j in range(1, 8):
+        left_to_right = left_to_right + view[:, j]
+    assert not torch.equal(left_to_right, tree_sum_ref(view, dim=1))

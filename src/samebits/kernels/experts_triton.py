@@ -39,6 +39,49 @@ _DTYPES = (torch.bfloat16, torch.float16)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (development only)
 
 
+MAX_ROUTED = 4096  # pairs `route_kernel` sorts in one program (decode batches up to 512 x 8)
+
+
+@triton.jit
+def route_kernel(
+    index_ptr, order_ptr, offsets_ptr, n, N_PAD: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr
+):
+    """`experts.route` in one program: the pairs sorted by expert, stably (the key expert * N_PAD
+    + pair is unique, so a sort of keys is a stable sort of experts), and each expert's first
+    row (an exclusive cumsum of the histogram)."""
+    pairs = tl.arange(0, N_PAD)
+    valid = pairs < n
+    expert = tl.load(index_ptr + pairs, mask=valid, other=E_PAD).to(tl.int32)  # past n: after every expert
+    keys = tl.sort(expert * N_PAD + pairs)
+    tl.store(order_ptr + pairs, keys % N_PAD, mask=valid)
+    counts = tl.histogram(expert, E_PAD, mask=valid)
+    ends = tl.cumsum(counts, 0)
+    bins = tl.arange(0, E_PAD)
+    tl.store(offsets_ptr + 1 + bins, ends, mask=bins < E)
+    tl.store(offsets_ptr + bins, 0, mask=bins == 0)
+
+
+@triton.jit
+def slot_sum_kernel(per_slot_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """[T, K, H] fp32 -> [T, H] in out's dtype: the top-k slots summed in `tree_sum_ref`'s
+    halving order (slot j onto j + K/2, ...; K a power of two), rounded once."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    slots = tl.arange(0, K)
+    x = tl.load(
+        per_slot_ptr + (t * K + slots[:, None]) * H + cols[None, :], mask=(cols < H)[None, :], other=0.0
+    )
+    if K >= 2:
+        x = tl.sum(tl.reshape(x, (2, K // 2, BLOCK_H)), axis=0)
+    if K >= 4:
+        x = tl.sum(tl.reshape(x, (2, K // 4, BLOCK_H)), axis=0)
+    if K >= 8:
+        x = tl.sum(tl.reshape(x, (2, K // 8, BLOCK_H)), axis=0)
+    if K >= 16:
+        x = tl.sum(tl.reshape(x, (2, K // 16, BLOCK_H)), axis=0)
+    tl.store(out_ptr + t * H + cols, tl.reshape(x, (BLOCK_H,)).to(out_ptr.dtype.element_ty), mask=cols < H)
+
+
 @triton.jit
 def gate_up_kernel(
     x_ptr,
@@ -149,7 +192,7 @@ def experts_forward(
     i = two_i // 2
     if t == 0:
         return hidden_states.new_zeros(0, h)
-    order, offsets = route(top_k_index, e)
+    order, offsets = _route(top_k_index, e)
     inter = torch.empty(t * k, i, dtype=hidden_states.dtype, device=hidden_states.device)
     gate_up_kernel[(e, triton.cdiv(i, BLOCK_N))](
         hidden_states,
@@ -190,7 +233,30 @@ def experts_forward(
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )
-    return tree_sum_ref(per_slot.view(t, k, h), dim=1).to(hidden_states.dtype)
+    if k & (k - 1) or k > 16:
+        return tree_sum_ref(per_slot.view(t, k, h), dim=1).to(hidden_states.dtype)
+    out = torch.empty(t, h, dtype=hidden_states.dtype, device=hidden_states.device)
+    slot_sum_kernel[(t, triton.cdiv(h, SLOT_BLOCK_H))](per_slot, out, h, K=k, BLOCK_H=SLOT_BLOCK_H, num_warps=4)
+    return out
+
+
+SLOT_BLOCK_H = 512
+
+
+def _route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`experts.route` (the same order and offsets): one launch up to MAX_ROUTED pairs, else
+    the torch ops."""
+    n = top_k_index.numel()
+    if n > MAX_ROUTED:
+        return route(top_k_index, num_experts)
+    flat = top_k_index.reshape(-1)
+    order = torch.empty(n, dtype=torch.int32, device=flat.device)
+    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=flat.device)
+    route_kernel[(1,)](
+        flat, order, offsets, n,
+        N_PAD=triton.next_power_of_2(n), E=num_experts, E_PAD=triton.next_power_of_2(num_experts), num_warps=8,
+    )  # fmt: skip
+    return order, offsets
 
 
 def _check(x, index, weights, gate_up, down) -> None:
