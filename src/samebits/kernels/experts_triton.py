@@ -181,11 +181,15 @@ def experts_forward(
     gate_up_proj: torch.Tensor,  # [E, 2I, H]
     down_proj: torch.Tensor,  # [E, H, I]
     block_k: int = BLOCK_K,
+    tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Sum over k of `weight_k * down_e(silu(gate_e(x)) * up_e(x))` -> [T, H], batch invariant.
 
     `block_k` exists for experiments and negative controls; samebits always uses BLOCK_K.
+    `tiles` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the fixed configuration for
+    experiments (`benchmarks/experts_configs.py`: which choices keep the bits, at what cost).
     """
+    block_m, block_n, warps, stages = tiles or (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES)
     _check(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
     t, k = top_k_index.shape
     e, two_i, h = gate_up_proj.shape
@@ -194,7 +198,7 @@ def experts_forward(
         return hidden_states.new_zeros(0, h)
     order, offsets = _route(top_k_index, e)
     inter = torch.empty(t * k, i, dtype=hidden_states.dtype, device=hidden_states.device)
-    gate_up_kernel[(e, triton.cdiv(i, BLOCK_N))](
+    gate_up_kernel[(e, triton.cdiv(i, block_n))](
         hidden_states,
         gate_up_proj,
         inter,
@@ -207,14 +211,14 @@ def experts_forward(
         gate_up_proj.stride(0),
         gate_up_proj.stride(1),
         inter.stride(0),
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         BLOCK_K=block_k,
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        num_warps=warps,
+        num_stages=stages,
     )
     per_slot = torch.empty(t * k, h, dtype=torch.float32, device=hidden_states.device)
-    down_kernel[(e, triton.cdiv(h, BLOCK_N))](
+    down_kernel[(e, triton.cdiv(h, block_n))](
         inter,
         down_proj,
         per_slot,
@@ -227,11 +231,11 @@ def experts_forward(
         down_proj.stride(0),
         down_proj.stride(1),
         per_slot.stride(0),
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         BLOCK_K=block_k,
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        num_warps=warps,
+        num_stages=stages,
     )
     if k & (k - 1) or k > 16:
         return tree_sum_ref(per_slot.view(t, k, h), dim=1).to(hidden_states.dtype)
