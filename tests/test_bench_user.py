@@ -26,13 +26,13 @@ def llm(tiny):
 
 def _steps_of(llm, monkeypatch) -> list[tuple[int, ...]]:
     """Records each engine step as the sorted token counts of its chunks (1 = a decode row)."""
-    steps, run = [], llm.runner.run
+    steps, launch = [], llm.runner.launch
 
-    def recording(batch, reqs):
+    def recording(batch, reqs, ahead=None):
         steps.append(tuple(sorted(c.num_tokens for c in batch.chunks)))
-        return run(batch, reqs)
+        return launch(batch, reqs, ahead)
 
-    monkeypatch.setattr(llm.runner, "run", recording)
+    monkeypatch.setattr(llm.runner, "launch", recording)
     return steps
 
 

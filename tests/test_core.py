@@ -96,16 +96,16 @@ def test_two_threads_generate_on_one_llm_both_get_their_alone_results(llm):
     want = llm.generate(prompts, params)
     got: dict[int, list] = {}
     started = threading.Event()
-    run = llm.runner.run
+    launch = llm.runner.launch
 
     def spy(*a, **k):  # the second thread starts while the first is inside a step
         started.set()
-        return run(*a, **k)
+        return launch(*a, **k)
 
     def call(k):
         got[k] = llm.generate(prompts, params)
 
-    llm.runner.run = spy
+    llm.runner.launch = spy
     try:
         first = threading.Thread(target=call, args=(0,))
         first.start()
@@ -115,7 +115,7 @@ def test_two_threads_generate_on_one_llm_both_get_their_alone_results(llm):
         first.join(timeout=300)
         second.join(timeout=300)
     finally:
-        del llm.runner.run
+        del llm.runner.launch
     for k in (0, 1):
         assert [o.finish_reason for o in got[k]] == ["length"] * 3
         for a, b in zip(got[k], want, strict=True):
@@ -131,10 +131,11 @@ def _update_mid_generate(llm, update, blocks: bool):
     old = llm._params[name].clone()
     new = [(name, old * 1.5)]
     before = llm.generate(prompts, params)
-    run, fired = llm.runner.run, []
+    launch, fired = llm.runner.launch, []
 
     def spy(*a, **k):
-        out = run(*a, **k)
+        out = launch(*a, **k)
+        out.result()  # the step is done when the update starts
         if not fired:
             fired.append(threading.Thread(target=update, args=(new,)))
             fired[0].start()
@@ -142,11 +143,11 @@ def _update_mid_generate(llm, update, blocks: bool):
                 fired[0].join(timeout=120)
         return out
 
-    llm.runner.run = spy
+    llm.runner.launch = spy
     try:
         during = llm.generate(prompts, params)
     finally:
-        del llm.runner.run
+        del llm.runner.launch
         fired[0].join(timeout=120)
     changed = not torch.equal(llm._params[name], old)
     llm.update_weights([(name, old)])

@@ -19,7 +19,7 @@ def _rebuilt(g: DecodeGraphs, batch, size: int, reqs) -> list[torch.Tensor]:
     """The buffers as a from-scratch fill makes them (the fill before rows were kept)."""
     bs, pages, dummy = g.runner.block_size, g.max_pages, g.dummy_block
     n = len(batch.chunks)
-    rows = torch.zeros(6, size, dtype=torch.long)
+    rows = torch.zeros(7, size, dtype=torch.long)  # row 6: a step run ahead's sources (0 here)
     rows[2] = dummy * bs
     tables = torch.full((size, pages), dummy, dtype=torch.int32)
     ctx = torch.ones(size, dtype=torch.int32)
@@ -39,9 +39,9 @@ def _compare_every_decode_step(tiny) -> tuple[int, int, int]:
     g = DecodeGraphs(
         llm.runner, graph_sizes(4), max_pages=KW["max_model_len"] // 4, dummy_block=KW["num_blocks"]
     )
-    run, seen = llm.runner.run, [0, 0]
+    launch, seen = llm.runner.launch, [0, 0]
 
-    def checked(batch, reqs):
+    def checked(batch, reqs, ahead=None):
         if batch.chunks and all(c.num_tokens == 1 and c.samples for c in batch.chunks):
             size = g.size_for(batch)
             g._fill(batch, size, reqs)
@@ -50,9 +50,9 @@ def _compare_every_decode_step(tiny) -> tuple[int, int, int]:
             seen[1] += not all(
                 torch.equal(a, b) for a, b in zip(got, _rebuilt(g, batch, size, reqs), strict=True)
             )
-        return run(batch, reqs)
+        return launch(batch, reqs, ahead)
 
-    llm.runner.run = checked
+    llm.runner.launch = checked
     prompts = [[(7 * i + j) % 200 + 1 for j in range(10 + 3 * i)] for i in range(6)]
     params = [
         SamplingParams(max_tokens=30, ignore_eos=True, seed=i, temperature=0.5 + 0.2 * i) for i in range(6)

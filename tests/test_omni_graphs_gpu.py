@@ -64,9 +64,9 @@ def test_negative_control_graph_fed_text_row_positions(setup, monkeypatch):
     path, prompts, params, eager = setup
     run = DecodeGraphs.run
 
-    def text_rows(self, batch, size, reqs, positions):
+    def text_rows(self, batch, size, reqs, positions, ahead=None):
         index = torch.tensor([c.start for c in batch.chunks], dtype=positions.dtype)
-        return run(self, batch, size, reqs, index.expand(3, -1))
+        return run(self, batch, size, reqs, index.expand(3, -1), ahead)
 
     monkeypatch.setattr(DecodeGraphs, "run", text_rows)
     wrong = dict(zip(KINDS, _generate(path, prompts, params, cuda_graphs=True)[1], strict=True))

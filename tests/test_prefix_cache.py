@@ -28,13 +28,13 @@ def _engine(path, caching=True, **kw) -> LLM:
 
 def _record(llm, monkeypatch) -> list[list[tuple[int, int, int]]]:
     """Each step's chunks as (seq_id, start, num_tokens): what the forward computes."""
-    steps, run = [], llm.runner.run
+    steps, launch = [], llm.runner.launch
 
-    def recording(batch, reqs):
+    def recording(batch, reqs, ahead=None):
         steps.append([(c.seq.seq_id, c.start, c.num_tokens) for c in batch.chunks])
-        return run(batch, reqs)
+        return launch(batch, reqs, ahead)
 
-    monkeypatch.setattr(llm.runner, "run", recording)
+    monkeypatch.setattr(llm.runner, "launch", recording)
     return steps
 
 
@@ -214,10 +214,10 @@ def test_a_failed_step_drops_the_blocks_it_published(tiny, monkeypatch, reset):
     if not reset:
         monkeypatch.setattr(llm.block_manager, "reset_prefix_cache", lambda: None)
 
-    def failing(batch, reqs):
+    def failing(batch, reqs, ahead=None):
         raise RuntimeError("the device failed")
 
-    monkeypatch.setattr(llm.runner, "run", failing)
+    monkeypatch.setattr(llm.runner, "launch", failing)
     with pytest.raises(RuntimeError, match="the device failed"):
         llm.generate([prompt], _sp(0))
     assert bool(llm.block_manager.cached) != reset
@@ -411,9 +411,9 @@ def test_cuda_sharing_is_bitwise_and_a_shared_block_replays_in_a_graph(tiny, mon
     if graphs:
         run = shared.runner.graphs.run
 
-        def recording(batch, size, reqs, positions):
+        def recording(batch, size, reqs, positions, ahead=None):
             replayed.append([(c.start, c.num_tokens) for c in batch.chunks])
-            return run(batch, size, reqs, positions)
+            return run(batch, size, reqs, positions, ahead)
 
         monkeypatch.setattr(shared.runner.graphs, "run", recording)
     for prompt, n in ((p33, 8), (p17, 1), (p17, 4)):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from samebits.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
+from samebits.engine.sampler import needs_host_rules
 from samebits.engine.sequence import Sequence as Seq
 from samebits.engine.validation import check_text
 from samebits.requests.sampling_params import SamplingParams, sample_seed
@@ -130,6 +131,8 @@ class EngineCore:
         self._tokenizer = None
         self._tokenizer_loaded = False
         self.serving = False  # an AsyncEngine's thread steps this core (set by AsyncEngine)
+        self.async_scheduling = llm.engine.resolved_async_scheduling()
+        self._inflight = None  # (batch, sampled seqs, Pending) of a step launched ahead
 
     @property
     def tokenizer(self):
@@ -229,12 +232,14 @@ class EngineCore:
     def abort_all(self) -> None:
         """Abort and forget every request (after an error inside a step)."""
         self.llm.scheduler.abort_all()
+        self._inflight = None  # (its blocks are freed; later steps run after it on the stream)
         self._requests.clear()
         self._by_seq.clear()
         self._watched.clear()
 
     def has_unfinished(self) -> bool:
-        return self.llm.scheduler.has_unfinished()
+        """Requests still running, or a step launched ahead whose samples are not read yet."""
+        return self._inflight is not None or self.llm.scheduler.has_unfinished()
 
     def request_ids(self) -> list[str]:
         return list(self._requests)
@@ -242,26 +247,61 @@ class EngineCore:
     # -- one step -------------------------------------------------------------------------
 
     def step(self) -> StepOutput:
-        """Schedule -> run -> postprocess one batch; -> the requests that gained tokens."""
+        """Schedule -> run -> postprocess one batch; -> the requests that gained tokens.
+
+        Async scheduling (`EngineConfig.async_scheduling`): before this step's samples are
+        read, the next decode step is scheduled and launched with this step's samples as its
+        input ids on the device (`_launch_ahead`), so the host's bookkeeping overlaps the
+        device's work; the next call reads that step's samples. A row whose sequence ended
+        meanwhile (a stop token or string, an abort) is dropped; the others get the bits they
+        get without it, since every kernel is batch invariant and a row's randomness is its
+        seed and output index only."""
         sched = self.llm.scheduler
-        if not sched.has_unfinished():
+        if self._inflight is None and not sched.has_unfinished():
             return StepOutput([], 0)
         t0 = time.perf_counter()
-        batch = sched.schedule()
-        seqs = [c.seq for c in batch.chunks if c.samples]  # the rows sampled, in batch order
-        sampled = self.llm.runner.run(batch, self.llm._sample_requests(seqs))
+        if self._inflight is None:
+            batch = sched.schedule()
+            seqs = [c.seq for c in batch.chunks if c.samples]  # the rows sampled, in batch order
+            pending = self.llm.runner.launch(batch, self.llm._sample_requests(seqs))
+        else:
+            (batch, seqs, pending), self._inflight = self._inflight, None
+        if self.async_scheduling:
+            self._inflight = self._launch_ahead(batch, seqs, pending)
+        sampled = pending.result()
+        live = [s for s in seqs if not s.is_finished]  # (all of them, but after an async stop)
         by_id = dict(zip([s.seq_id for s in seqs], sampled, strict=True))
-        num_finished = len(sched.postprocess(batch, by_id)) + self._advance_watched(seqs, by_id)
-        touched = dict.fromkeys([s.request_id for s in seqs])  # each request once, in batch order
+        num_finished = len(sched.postprocess(batch, by_id)) + self._advance_watched(live, by_id)
+        touched = dict.fromkeys([s.request_id for s in live])  # each request once, in batch order
         out = StepOutput(list(touched), num_finished)
         self.stats.steps += 1
-        self.stats.generated_tokens += len(seqs)
+        self.stats.generated_tokens += len(live)
         self.stats.last_step_tokens = batch.num_tokens
         self.stats.prefix_cache_queries += batch.prefix_cache_queries
         self.stats.prefix_cache_hits += batch.prefix_cache_hits
         self.stats.last_step_seconds = time.perf_counter() - t0
         self.stats.step_seconds += self.stats.last_step_seconds
         return out
+
+    def _launch_ahead(self, batch, seqs: list[Seq], pending):
+        """Schedule and launch the decode step after `batch` (whose samples `pending` holds,
+        maybe not yet computed) -> (its batch, its sampled seqs, its Pending), or None where
+        only the synchronous scheduler can decide the next step (`Scheduler.plan_ahead`), a
+        row needs host sampling rules, or the cache lacks a block."""
+        sched = self.llm.scheduler
+        planned = sched.plan_ahead(batch)
+        if not planned:
+            return None
+        nxt = [c.seq for c in planned]
+        reqs = self.llm._sample_requests(nxt, ahead=1)
+        if needs_host_rules(reqs):
+            return None
+        ahead = sched.commit_ahead(planned)
+        if ahead is None:
+            return None
+        row = {s.seq_id: i for i, s in enumerate(seqs)}
+        src = [row[s.seq_id] for s in nxt]
+        return ahead, nxt, self.llm.runner.launch(ahead, reqs, (src, pending.tokens))
 
     def _advance_watched(self, seqs: list[Seq], by_id: dict[int, tuple]) -> int:
         """`_advance` the watched samples among the sampled seqs, in batch order; -> how

@@ -19,7 +19,7 @@ import weakref
 import numpy as np
 import torch
 
-from samebits.engine.sampler import SampleRequest, needs_host_rules, row_inputs, sample, sample_plain
+from samebits.engine.sampler import Pending, SampleRequest, needs_host_rules, row_inputs, sample, sample_plain
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.model.attention import AttentionBatch
 
@@ -38,8 +38,9 @@ class DecodeGraphs:
         self.dummy_block = dummy_block
         self.max_pages = max_pages
         dev, n = runner.device, max(sizes)
-        # rows: input ids, positions, cache slots, the two noise keys, random (1) or greedy (0)
-        self.i64 = torch.zeros(6, n, dtype=torch.long, device=dev)
+        # rows: input ids, positions, cache slots, the two noise keys, random (1) or greedy (0),
+        # and with async scheduling each row's index into the previous step's samples
+        self.i64 = torch.zeros(7, n, dtype=torch.long, device=dev)
         self.block_tables = torch.zeros(n, max_pages, dtype=torch.int32, device=dev)
         self.ctx_len = torch.ones(n, dtype=torch.int32, device=dev)
         self.q_start = torch.arange(n + 1, dtype=torch.int32, device=dev)  # query_start_loc
@@ -62,20 +63,24 @@ class DecodeGraphs:
         return next((s for s in self.sizes if s >= len(batch.chunks)), None)
 
     def run(
-        self, batch: ScheduledBatch, size: int, reqs: list[SampleRequest], positions: torch.Tensor
-    ) -> list[tuple[int, float]]:
+        self, batch: ScheduledBatch, size: int, reqs: list[SampleRequest], positions: torch.Tensor, ahead=None
+    ) -> Pending:
         """(token, log-prob) of the batch's B sequences, from the graph of `size` rows;
-        `positions` [B] or [3, B]: the family's rotary positions of the B tokens."""
-        self._fill(batch, size, reqs)
+        `positions` [B] or [3, B]: the family's rotary positions of the B tokens; `ahead`:
+        `ModelRunner.launch`'s. Every input is copied from pinned host memory without a
+        stream sync, so the host never waits for the step before (async scheduling)."""
+        self._fill(batch, size, reqs, ahead)
         self._fill_positions(positions, size)
+        n = len(batch.chunks)
+        if ahead is not None:  # the input ids: the previous step's samples, still on the device
+            self.i64[0, :n] = ahead[1][self.i64[6, :n]]
         if size not in self.graphs:
             self.graphs[size] = self._capture(size)
         graph, (logits, tokens, chosen) = self.graphs[size]
         graph.replay()
-        n = len(batch.chunks)
         if needs_host_rules(reqs):  # banned tokens or top-k/top-p: the per-row path on the logits
-            return sample(logits[:n], reqs)
-        return list(zip(tokens[:n].tolist(), chosen[:n].tolist(), strict=True))
+            return Pending.done(sample(logits[:n], reqs), logits.device)
+        return Pending.copying(tokens[:n], chosen[:n])
 
     def _meta(self, size: int) -> AttentionBatch:
         return AttentionBatch(
@@ -108,18 +113,22 @@ class DecodeGraphs:
             outs = self._forward(size)
         return graph, outs
 
-    def _fill(self, batch: ScheduledBatch, size: int, reqs: list[SampleRequest]) -> None:
+    def _fill(self, batch: ScheduledBatch, size: int, reqs: list[SampleRequest], ahead=None) -> None:
         """Write the B = len(batch.chunks) rows' inputs into the static buffers of `size` rows:
         per row a few list reads, the rest whole-batch numpy ops (a numpy op costs ~1 us on
-        the host, a torch op ~5 us), one copy per buffer."""
+        the host, a torch op ~5 us), one copy per buffer. With `ahead` the input ids are not
+        on the host: row 6 of `i64` gets each row's index into the previous step's samples."""
         bs, chunks, n = self.runner.block_size, batch.chunks, len(batch.chunks)
         kept, padding = self.table_rows, self.table_rows.padding.numpy()
         tables = np.concatenate([kept.row(c.seq) for c in chunks] + [padding] * (size - n))
         tables = tables.reshape(size, -1)  # [size, P] int32
         pos = np.array([c.start for c in chunks], dtype=np.int64)  # [B]
         temps, keys, random_row = row_inputs(reqs)
-        rows = np.zeros((6, size), dtype=np.int64)
-        rows[0, :n] = [c.seq.token_ids[c.start] for c in chunks]
+        rows = np.zeros((7, size), dtype=np.int64)
+        if ahead is None:
+            rows[0, :n] = [c.seq.token_ids[c.start] for c in chunks]
+        else:
+            rows[6, :n] = ahead[0]
         rows[1, :n] = pos
         rows[2] = self.dummy_block * bs
         rows[2, :n] = tables[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs  # cache slots
@@ -127,10 +136,10 @@ class DecodeGraphs:
         rows[5, :n] = random_row.numpy()
         ctx = np.ones(size, dtype=np.int32)
         ctx[:n] = pos + 1
-        self.i64[:, :size].copy_(torch.from_numpy(rows))
-        self.block_tables[:size].copy_(torch.from_numpy(tables))
-        self.ctx_len[:size].copy_(torch.from_numpy(ctx))
-        self.temps[:size].copy_(torch.cat([temps, torch.ones(size - n)]))
+        _upload(self.i64[:, :size], torch.from_numpy(rows))
+        _upload(self.block_tables[:size], torch.from_numpy(tables))
+        _upload(self.ctx_len[:size], torch.from_numpy(ctx))
+        _upload(self.temps[:size], torch.cat([temps, torch.ones(size - n)]))
 
     def _fill_positions(self, positions: torch.Tensor, size: int) -> None:
         """Copy the B rows' positions into the static buffer; padding rows get position 0."""
@@ -141,7 +150,17 @@ class DecodeGraphs:
             )
         padded = torch.zeros(*positions.shape[:-1], size, dtype=positions.dtype)
         padded[..., : positions.shape[-1]] = positions
-        self.positions[..., :size].copy_(padded)
+        _upload(self.positions[..., :size], padded)
+
+
+def _upload(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Host -> device without a stream sync: through pinned memory (PyTorch's caching host
+    allocator keeps the pinned block until the copy is done). A plain `copy_` from pageable
+    memory waits for the stream, i.e. for the step before, which async scheduling overlaps."""
+    if dst.is_cuda:
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:  # (the CPU tests of the fill)
+        dst.copy_(src)
 
 
 class TableRows:

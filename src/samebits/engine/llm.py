@@ -48,6 +48,10 @@ class EngineConfig:
     # text prompts share the K/V blocks of a common prefix (the n samples of a request, other
     # requests): vLLM's option; bitwise equal to computing them (engine/block_manager.py)
     enable_prefix_caching: bool = True
+    # vLLM's option: the next decode step is scheduled and launched while the device runs
+    # this one (engine/core.py); the same tokens and bits. None: on for CUDA, off on the CPU
+    # (where the host waits for each step anyway)
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -73,6 +77,8 @@ class EngineConfig:
         for name in ("cuda_graphs", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be None or a bool, got {self.async_scheduling!r}")
         _check_device(self.device)
 
     @property
@@ -84,6 +90,11 @@ class EngineConfig:
         if not self.cuda_graphs or torch.device(self.device).type != "cuda":
             return ()
         return graph_sizes(self.max_num_seqs)
+
+    def resolved_async_scheduling(self) -> bool:
+        if self.async_scheduling is None:
+            return torch.device(self.device).type == "cuda"
+        return self.async_scheduling
 
     def resolved_num_blocks(self) -> int:
         per_seq = -(-self.max_model_len // self.block_size)
@@ -248,13 +259,13 @@ class LLM:
             if bar:
                 bar.advance(done.num_finished, self.core.stats.last_step_tokens)
 
-    def _sample_requests(self, seqs: list[Seq]) -> list[SampleRequest]:
+    def _sample_requests(self, seqs: list[Seq], ahead: int = 0) -> list[SampleRequest]:
         """The sampling row of each sequence's next token (one loop for the batch: this runs
-        for every row of every step)."""
+        for every row of every step); `ahead`: tokens sampled but not yet in token_ids."""
         never_sample, rows = self.family.never_sample, []
         row = tuple.__new__  # SampleRequest(...) without its Python-level __new__: 0.1 us less a row
         for seq in seqs:
-            sp, k = seq.params, len(seq.token_ids) - seq.num_prompt_tokens  # its output index
+            sp, k = seq.params, len(seq.token_ids) - seq.num_prompt_tokens + ahead  # its output index
             if k >= sp.min_tokens:  # (almost every row: nothing banned but the family's own)
                 rows.append(row(SampleRequest, (sp, seq.seed, k, never_sample)))
             else:  # before min_tokens: no stop tokens, no eos
@@ -269,7 +280,7 @@ class LLM:
     def sleep(self) -> None:
         """Release the KV cache memory so a trainer on the same device can use it. Weights stay
         (update_weights and weight_digests still work); generate refuses until wake_up()."""
-        if self.scheduler.has_unfinished():
+        if self.core.has_unfinished():
             raise RuntimeError("sleep: requests are still running")
         self.block_manager.reset_prefix_cache()  # wake_up brings a zeroed cache
         self.runner.release_kv_cache()

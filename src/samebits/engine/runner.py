@@ -12,11 +12,13 @@ from __future__ import annotations
 import torch
 
 from samebits.engine.cuda_graphs import DecodeGraphs
-from samebits.engine.sampler import SampleRequest, sample
+from samebits.engine.sampler import Pending, SampleRequest, sample
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.model.attention import AttentionBatch
 from samebits.model.family import ModelFamily, Span
 from samebits.numerics.profile import EXACT, Profile
+
+Ahead = tuple[list[int], torch.Tensor]  # (row of the previous step's samples per chunk, those samples)
 
 
 class ModelRunner:
@@ -53,14 +55,24 @@ class ModelRunner:
             for _ in range(cfg.num_hidden_layers)
         ]
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionBatch, list[int]]:
+    def prepare(
+        self, batch: ScheduledBatch, ahead: Ahead | None = None
+    ) -> tuple[torch.Tensor, AttentionBatch, list[int]]:
         """-> input_ids [T], metadata, and the row in T of each chunk that samples."""
+        chunks = batch.chunks
+        if ahead is not None:  # one-token decode chunks whose input ids are on the device
+            src, tokens = ahead
+            input_ids = tokens.index_select(0, torch.tensor(src, device=tokens.device)).to(self.device)
+            meta = AttentionBatch.build(
+                [c.seq.block_table for c in chunks], [c.start for c in chunks], [1] * len(chunks),
+                self.block_size, self.device,
+            )  # fmt: skip
+            return input_ids, meta, list(range(len(chunks)))
         ids, sample_rows = [], []
-        for c in batch.chunks:
+        for c in chunks:
             ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
             if c.samples:
                 sample_rows.append(len(ids) - 1)
-        chunks = batch.chunks
         meta = AttentionBatch.build(
             [c.seq.block_table for c in chunks],
             [c.start for c in chunks],
@@ -70,26 +82,40 @@ class ModelRunner:
         )
         return torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True), meta, sample_rows
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch, reqs: list[SampleRequest]) -> list[tuple[int, float]]:
         """One forward; (token, log-prob) for each sampling chunk, in chunk order."""
+        return self.launch(batch, reqs).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, reqs: list[SampleRequest], ahead: Ahead | None = None) -> Pending:
+        """Start one step -> its samples, a `Pending` (on CUDA graphs the host does not wait
+        for the step: async scheduling prepares the next one meanwhile). `ahead` = (src,
+        tokens): a batch scheduled before its input ids were known (engine/core.py), every
+        chunk a one-token decode whose input id is tokens[src[i]], the previous step's
+        samples on the device."""
         spans = spans_of(batch)
         with self.profile.context():
             step = self.family.step_inputs(spans)  # {} for a plain token step (every decode step)
             size = self.graphs.size_for(batch) if self.graphs is not None and not step else None
             if size is not None:
-                return self.graphs.run(batch, size, reqs, self.family.positions(spans))
-            hidden, sample_rows = self.forward(batch, spans, step)
+                return self.graphs.run(batch, size, reqs, self.family.positions(spans), ahead)
+            hidden, sample_rows = self.forward(batch, spans, step, ahead)
             if not sample_rows:
-                return []
+                return Pending.done([], self.device)
             logits = self.model.compute_logits(hidden[sample_rows])  # [N, V]
-            return sample(logits, reqs)
+            return Pending.done(sample(logits, reqs), self.device)
 
-    def forward(self, batch: ScheduledBatch, spans: list[Span] | None = None, step: dict | None = None):
+    def forward(
+        self,
+        batch: ScheduledBatch,
+        spans: list[Span] | None = None,
+        step: dict | None = None,
+        ahead: Ahead | None = None,
+    ):
         """The eager forward of a step -> hidden [T, H] and the row in T of each chunk that samples."""
         spans = spans_of(batch) if spans is None else spans
         step = self.family.step_inputs(spans) if step is None else step
-        input_ids, meta, sample_rows = self.prepare(batch)
+        input_ids, meta, sample_rows = self.prepare(batch, ahead)
         positions = self.family.positions(spans).to(self.device, non_blocking=True)  # [T] or [3, T]
         return self.model(input_ids, positions, meta, self.kv_caches, **step), sample_rows
 

@@ -124,3 +124,53 @@ def top_logprobs(row: torch.Tensor, k: int) -> list[tuple[int, float]]:
     k = min(k, row.numel())
     order = torch.sort(row, descending=True, stable=True).indices[:k]
     return list(zip(order.tolist(), row[order].tolist(), strict=True))
+
+
+class Pending:
+    """A launched step's samples, maybe still being computed (async scheduling).
+
+    `tokens` [N] int64 on the step's device, in row order: a step launched after this one
+    reads its input ids from them before the host has them (stream order makes that safe;
+    they are only valid until the next launch). `result()` waits for the step and returns
+    (token, log-prob[, top log-probs]) per row, as `sample` does."""
+
+    __slots__ = ("_tokens", "_results", "_host", "_event", "_device")
+
+    def __init__(self, tokens=None, results=None, host=None, event=None, device=None):
+        self._tokens, self._results, self._host, self._event, self._device = (
+            tokens,
+            results,
+            host,
+            event,
+            device,
+        )
+
+    @classmethod
+    def done(cls, results: list[tuple], device) -> Pending:
+        """Samples the host already has (the eager path, host rules)."""
+        return cls(results=results, device=device)
+
+    @classmethod
+    def copying(cls, tokens: torch.Tensor, chosen: torch.Tensor) -> Pending:
+        """Samples still on the device (a CUDA graph's outputs [N]): copied into pinned host
+        memory behind the step on the current stream, waited for by `result()`."""
+        host = (torch.empty_like(tokens, device="cpu", pin_memory=True),
+                torch.empty_like(chosen, device="cpu", pin_memory=True))  # fmt: skip
+        host[0].copy_(tokens, non_blocking=True)
+        host[1].copy_(chosen, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(tokens=tokens, host=host, event=event)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        if self._tokens is None:
+            self._tokens = torch.tensor([r[0] for r in self._results], dtype=torch.long, device=self._device)
+        return self._tokens
+
+    def result(self) -> list[tuple]:
+        if self._results is None:
+            self._event.synchronize()
+            self._results = list(zip(self._host[0].tolist(), self._host[1].tolist(), strict=True))
+            self._host = self._event = None
+        return self._results

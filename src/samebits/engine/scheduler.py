@@ -140,6 +140,39 @@ class Scheduler:
             raise RuntimeError("scheduler could not place any sequence; raise num_blocks")
         return batch
 
+    def plan_ahead(self, prev: ScheduledBatch) -> list[ScheduledChunk] | None:
+        """The decode step after `prev`, planned while prev still runs and its samples are not
+        known here (async scheduling, engine/core.py): each of prev's sequences computes the
+        token prev samples for it and samples the one after. None unless prev decoded exactly
+        the running sequences, in order, and no waiting sequence could be admitted now: those
+        steps are the synchronous `schedule`'s. A sequence whose pending sample ends it by
+        length is left out; one that ends by a stop token is dropped from the step's results
+        when the engine learns it. Allocates nothing (`commit_ahead` does)."""
+        chunks = prev.chunks
+        if len(chunks) != len(self.running) or (self.waiting and len(self.running) < self.max_num_seqs):
+            return None
+        planned = []
+        for c, seq in zip(chunks, self.running, strict=True):
+            if c.seq is not seq or c.num_tokens != 1 or not c.samples or c.start + 1 != len(seq.token_ids):
+                return None
+            if c.start + 2 < seq.max_num_tokens:  # prev's sample does not end it by length
+                chunk = ScheduledChunk(seq, c.start + 1, 1)
+                chunk.samples = True  # (its input token is prev's sample, not yet in token_ids)
+                planned.append(chunk)
+        return planned
+
+    def commit_ahead(self, planned: list[ScheduledChunk]) -> ScheduledBatch | None:
+        """Allocate the blocks of `plan_ahead`'s chunks -> their batch; None (nothing allocated)
+        when the cache lacks a block: that step needs the synchronous `schedule` (a preemption).
+        Publishes nothing: a block the step fills holds a token not yet known here; the
+        engine publishes it once it is (`postprocess`)."""
+        bm = self.blocks
+        if not bm.can_allocate(sum(bm.blocks_needed(c.seq, c.start + 1) for c in planned)):
+            return None
+        for c in planned:
+            bm.allocate(c.seq, c.start + 1)
+        return ScheduledBatch(planned)
+
     def _schedule_running(self, chunks: list[ScheduledChunk], budget: int) -> tuple[int, bool]:
         """-> (budget left, whether anything was preempted)."""
         preempted, block_size, publish = False, self.blocks.block_size, self.blocks.publish
@@ -218,10 +251,14 @@ class Scheduler:
         A sequence finishes by "length" at max_tokens, else by "stop" on one of its `stop_ids`
         (stop_token_ids, eos unless ignore_eos) once it has min_tokens.
         """
-        finished = []
+        finished, publish, block_size = [], self.blocks.publish, self.blocks.block_size
         for chunk in batch.chunks:
             seq = chunk.seq
+            if seq.status is SequenceStatus.FINISHED:  # aborted or stopped while its step ran
+                continue  # (async scheduling): the row's result is dropped
             seq.num_computed_tokens += chunk.num_tokens
+            if seq.num_computed_tokens // block_size > seq.num_hashed_blocks:
+                publish(seq, seq.num_computed_tokens)  # a step scheduled ahead published nothing
             if not chunk.samples:
                 continue
             out = sampled[seq.seq_id]

@@ -56,6 +56,13 @@ def add_parser(sub) -> None:
         help="text prompts share the KV blocks of a common prefix: the n samples of a request, and "
         "later requests (bitwise equal to recomputing them; default on)",
     )
+    s.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule and launch the next decode step while the device runs this one (the same "
+        "tokens and bits; default: on for CUDA, off on the CPU)",
+    )
     s.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     s.set_defaults(fn=run)
 
@@ -81,6 +88,7 @@ def run(args) -> int:
                 numerics=args.numerics,
                 cuda_graphs=not args.no_cuda_graphs,
                 enable_prefix_caching=args.enable_prefix_caching,
+                async_scheduling=args.async_scheduling,
             )
         )
     except (ValueError, OSError, RuntimeError) as e:

@@ -1,0 +1,192 @@
+"""Async scheduling: the decode step after this one is scheduled and launched before this
+one's samples are read (engine/core.py `EngineCore.step`). Every request must get exactly
+the tokens, log-probs, text and finish reasons the synchronous loop gives it; on the CPU the
+host waits for each step anyway, so these tests check the bookkeeping (input ids taken from
+the previous step's samples, output indices one ahead, rows of sequences that ended
+meanwhile dropped, blocks published later, preemptions and admissions left to the
+synchronous scheduler). The CUDA graphs' side is tests/test_gpu.py's."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from samebits import LLM, SamplingParams
+from samebits.engine.runner import ModelRunner
+from samebits.model.tiny_tokenizer import add_tiny_tokenizer
+from samebits.verify import make_prompts
+
+
+@pytest.fixture(scope="module")
+def tok_ckpt(tiny, tmp_path_factory):
+    path = tmp_path_factory.mktemp("async") / "tiny"
+    shutil.copytree(tiny, path)
+    return add_tiny_tokenizer(path)
+
+
+@pytest.fixture
+def ahead_launches(monkeypatch):
+    """Counts the steps launched ahead (the path under test must actually run)."""
+    launch, count = ModelRunner.launch, [0]
+
+    def spy(self, batch, reqs, ahead=None):
+        count[0] += ahead is not None
+        return launch(self, batch, reqs, ahead)
+
+    monkeypatch.setattr(ModelRunner, "launch", spy)
+    return count
+
+
+def _outputs(llm, prompts, params):
+    outs = llm.generate(prompts, params, progress=False)
+    return [[(c.token_ids, c.logprobs, c.text, c.finish_reason) for c in o.outputs] for o in outs]
+
+
+def _same(a, b) -> bool:
+    return all(
+        x[0] == y[0] and torch.equal(x[1], y[1]) and x[2:] == y[2:]
+        for ra, rb in zip(a, b, strict=True)
+        for x, y in zip(ra, rb, strict=True)
+    )
+
+
+def _mixed(vocab: int):
+    """Stop tokens that fire mid-run (1 id in 23), min_tokens, greedy rows, n=2, lengths
+    that end on block boundaries and not: rows end by length and by stop while later steps
+    are already launched."""
+    stops = list(range(1, vocab, 23))
+    lens = (20, 7, 33, 16, 12, 40, 3, 25)
+    return [
+        SamplingParams(
+            max_tokens=m,
+            seed=i,
+            temperature=0.0 if i % 4 == 3 else 1.0,
+            stop_token_ids=stops,
+            min_tokens=2,
+            n=2 if i == 1 else 1,
+        )
+        for i, m in enumerate(lens)
+    ]
+
+
+def test_async_scheduling_gives_every_request_the_synchronous_tokens_and_bits(tiny, ahead_launches):
+    # 8 requests (9 samples) over 4 slots: admissions, drops after stop tokens, greedy rows
+    def run(flag):
+        llm = LLM(tiny, max_num_seqs=4, max_model_len=128, async_scheduling=flag)
+        prompts = make_prompts((30, 5, 47, 12, 9, 20, 16, 31), llm.config.vocab_size, seed=3)
+        return _outputs(llm, prompts, _mixed(llm.config.vocab_size)), llm.core.stats
+
+    sync, sync_stats = run(False)
+    assert ahead_launches[0] == 0
+    got, stats = run(True)
+    assert ahead_launches[0] > 20  # most decode steps ran ahead
+    assert _same(got, sync)
+    reasons = {x[3] for r in sync for x in r}
+    assert reasons == {"stop", "length"}  # both kinds of end happened
+    # dropped rows (a stop token ended the sequence while its next step ran) are not counted
+    assert stats.generated_tokens == sync_stats.generated_tokens == sum(len(x[0]) for r in sync for x in r)
+
+
+def test_control_ahead_steps_fed_another_rows_sample_give_other_tokens(tiny, monkeypatch):
+    """The control for the test above, for the reason it rests on: a step launched ahead takes
+    its input ids from the previous step's samples by row; fed the rows rotated by one, the
+    outputs change (so the equality above is not vacuous)."""
+    launch = ModelRunner.launch
+
+    def rotated(self, batch, reqs, ahead=None):
+        if ahead is not None:
+            src, tokens = ahead
+            ahead = (src[1:] + src[:1], tokens)
+        return launch(self, batch, reqs, ahead)
+
+    def run(flag):
+        llm = LLM(tiny, max_num_seqs=4, max_model_len=128, async_scheduling=flag)
+        prompts = make_prompts((30, 5, 47, 12), llm.config.vocab_size, seed=3)
+        params = SamplingParams(max_tokens=12, seed=1, ignore_eos=True)
+        return _outputs(llm, prompts, params)
+
+    sync = run(False)
+    assert _same(run(True), sync)
+    monkeypatch.setattr(ModelRunner, "launch", rotated)
+    assert not _same(run(True), sync)
+
+
+def test_stop_strings_abort_and_preemption_with_async_scheduling(tok_ckpt, ahead_launches):
+    """Text and stop strings (a stop string ends a sample one step after its next step was
+    launched), and a cache so small that sequences are preempted: the synchronous results."""
+
+    def run(flag, num_blocks=None):
+        llm = LLM(tok_ckpt, max_num_seqs=4, max_model_len=96, async_scheduling=flag, num_blocks=num_blocks)
+        base = llm.generate([[5, 6]], SamplingParams(max_tokens=40, ignore_eos=True, seed=3), progress=False)[0]
+        params = [
+            SamplingParams(max_tokens=40, ignore_eos=True, seed=3, stop=[base.text[10:12]]),
+            SamplingParams(max_tokens=30, ignore_eos=True, seed=4, n=2),
+            SamplingParams(max_tokens=35, ignore_eos=True, seed=5),
+        ]
+        prompts = make_prompts((5, 40, 23), llm.config.vocab_size, seed=4)
+        prompts[0] = [5, 6]
+        return _outputs(llm, prompts, params), llm.scheduler.num_preemptions
+
+    sync, _ = run(False)
+    assert sync[0][0][3] == "stop"  # the stop string fired
+    got, _ = run(True)
+    assert _same(got, sync)
+    small_sync, pre_sync = run(False, num_blocks=9)
+    small, pre = run(True, num_blocks=9)
+    assert pre_sync > 0 and pre > 0  # the small cache preempted in both
+    assert _same(small, small_sync) and _same(small, sync)
+    assert ahead_launches[0] > 0
+
+
+def test_abort_while_a_step_runs_ahead_drops_its_rows_and_frees_every_block(tiny):
+    llm = LLM(tiny, max_num_seqs=4, max_model_len=128, async_scheduling=True)
+    sync = LLM(tiny, max_num_seqs=4, max_model_len=128, async_scheduling=False)
+    prompts = make_prompts((12, 20, 7), llm.config.vocab_size, seed=5)
+    params = SamplingParams(max_tokens=30, ignore_eos=True, seed=2)
+    core = llm.core
+    with core.lock:
+        ids = [core.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        for _ in range(6):  # prefill, then decode steps, each launching the next
+            core.step()
+        assert core._inflight is not None  # a step is running ahead now
+        assert core.abort("r1")
+        while core.has_unfinished():
+            core.step()
+        outs = [core.pop(r) for r in ids]
+    assert outs[1].finish_reason == "abort" and len(outs[1].token_ids) < 30
+    want = sync.generate([prompts[0], prompts[2]], params, progress=False)
+    for o, w in zip([outs[0], outs[2]], want, strict=True):
+        assert o.token_ids == w.token_ids and torch.equal(o.logprobs, w.logprobs)
+    # the aborted row's ahead step wrote into blocks freed meanwhile: none is leaked
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_blocks_filled_by_steps_run_ahead_are_published_for_prefix_sharing(tiny):
+    """A follow-up request whose prompt is a first request's prompt + output hits the blocks
+    the decode steps (run ahead, publishing nothing at schedule time) filled."""
+
+    def run(flag):
+        llm = LLM(tiny, max_num_seqs=2, max_model_len=128, async_scheduling=flag)
+        prompt = make_prompts((9,), llm.config.vocab_size, seed=6)[0]
+        first = llm.generate([prompt], SamplingParams(max_tokens=60, ignore_eos=True, seed=1), progress=False)[
+            0
+        ]
+        hits = llm.core.stats.prefix_cache_hits
+        follow = llm.generate(
+            [prompt + first.token_ids], SamplingParams(max_tokens=5, ignore_eos=True, seed=2), progress=False
+        )[0]
+        return llm.core.stats.prefix_cache_hits - hits, first, follow
+
+    hits_sync, first_sync, follow_sync = run(False)
+    hits, first, follow = run(True)
+    assert hits == hits_sync == (9 + 60) // 16 * 16  # every full block of prompt + output
+    for a, b in ((first, first_sync), (follow, follow_sync)):
+        assert a.token_ids == b.token_ids and torch.equal(a.logprobs, b.logprobs)
+
+
+def test_async_scheduling_is_checked_and_defaults_to_the_device(tiny):
+    with pytest.raises(ValueError, match="async_scheduling must be None or a bool"):
+        LLM(tiny, max_num_seqs=2, max_model_len=64, async_scheduling="yes")
+    assert LLM(tiny, max_num_seqs=2, max_model_len=64).core.async_scheduling is False  # the CPU default
