@@ -8,7 +8,8 @@ docs/perf-notes.md). This does the same arithmetic reading the bf16 logits three
    log-softmax shift: `max(x * r) == max(x) * r` for r > 0, rounding is monotone).
 2. `_sum_kernel`: exp(x * r - m), summed per lane in `tree_sum_ref`'s order (below).
 3. `_total_kernel`: log of the row's sum, the tree of its lane sums.
-4. `_race_kernel`: per element the log-prob `(x * r - m) - log(total)`, p = exp(log-prob),
+4. `_race_kernel` (contiguous blocks of RACE_BLOCK ids): per element the log-prob
+   `(x * r - m) - log(total)`, p = exp(log-prob),
    the noise and the race `p / noise`.
 5. `_finish_kernel`: per row, the race's or the greedy winner and its log-prob.
 
@@ -51,6 +52,7 @@ _UNIFORM_SHIFT, _UNIFORM_SCALE = tl.constexpr(32 - UNIFORM_BITS), tl.constexpr(1
 
 LANES = 128  # L: lanes per program (a program's tile is [S, L], S * L <= 8192 elements)
 STRIDED = 64  # S: strided elements per lane
+RACE_BLOCK = 8192  # contiguous token ids per program of the race
 _BIG = tl.constexpr(2**31 - 1)  # "no index" for the argmaxes' min-index tie rule
 
 
@@ -214,37 +216,49 @@ def _fmix32(x):
 def _race_kernel(
     logits_ptr, stride, vocab, temps_ptr, keys_ptr, max_val_ptr,
     race_val_ptr, race_idx_ptr, any_ptr, shift_ptr, log_total_ptr,
-    S: tl.constexpr, L: tl.constexpr, C: tl.constexpr, P: tl.constexpr,
+    P: tl.constexpr, PR: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
+    """Program p of a row races token ids [p * BLOCK, (p + 1) * BLOCK): contiguous, since an
+    argmax (with its lowest-id rule) does not depend on how the ids are split, so no program
+    computes the padding up to the next power of two that the sum's tree layout has."""
     row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
     r, m = _row_shift(max_val_ptr, row, temps_ptr, P)
     log_total = tl.load(log_total_ptr + row)
     if p == 0:
         tl.store(shift_ptr + row, m)
-    ids, mask, x = _tile(logits_ptr, row, stride, vocab, p, S, L, C)
+    ids = p * BLOCK + tl.arange(0, BLOCK)
+    mask = ids < vocab
+    x = tl.load(logits_ptr + row * stride + ids, mask=mask, other=float("-inf")).to(tl.float32)
     probs = _expf((x * r - m) - log_total)
     key0 = tl.load(keys_ptr + row * 2).to(tl.uint32)
     key1 = tl.load(keys_ptr + row * 2 + 1).to(tl.uint32)
     h = _fmix32(_fmix32(ids.to(tl.uint32) ^ key0) ^ key1)
     u = ((h >> _UNIFORM_SHIFT).to(tl.float32) + 0.5) * _UNIFORM_SCALE  # `kernels.sample.uniform`
     ratio = tl.where(mask, tl.div_rn(probs, -_logf(u)), -1.0)  # ratios >= 0: pads never win
-    best, first = _first_max_2d(ratio, ids)
-    positive = tl.max(tl.max(tl.where(mask & (probs > 0), 1, 0), axis=1), axis=0)
-    tl.store(race_val_ptr + row * P + p, best)
-    tl.store(race_idx_ptr + row * P + p, first)
-    tl.store(any_ptr + row * P + p, positive)
+    best, first = _first_max(ratio, ids)
+    positive = tl.max(tl.where(mask & (probs > 0), 1, 0), axis=0)
+    tl.store(race_val_ptr + row * PR + p, best)
+    tl.store(race_idx_ptr + row * PR + p, first)
+    tl.store(any_ptr + row * PR + p, positive)
 
 
 @triton.jit
 def _finish_kernel(
     logits_ptr, stride, vocab, temps_ptr, random_ptr, max_val_ptr, max_idx_ptr, race_val_ptr, race_idx_ptr,
-    any_ptr, shift_ptr, log_total_ptr, tokens_ptr, out_lp_ptr, P: tl.constexpr,
+    any_ptr, shift_ptr, log_total_ptr, tokens_ptr, out_lp_ptr, P: tl.constexpr, PR: tl.constexpr,
+    PR_PAD: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     parts = row * P + tl.arange(0, P)
     _, greedy = _first_max(tl.load(max_val_ptr + parts), tl.load(max_idx_ptr + parts))
-    _, raced = _first_max(tl.load(race_val_ptr + parts), tl.load(race_idx_ptr + parts))
-    usable = (tl.max(tl.load(any_ptr + parts), axis=0) > 0) & (tl.load(random_ptr + row) != 0)
+    j = tl.arange(0, PR_PAD)
+    races = row * PR + j
+    in_row = j < PR
+    race_val = tl.load(race_val_ptr + races, mask=in_row, other=-1.0)  # (-1: below every ratio)
+    _, raced = _first_max(race_val, tl.load(race_idx_ptr + races, mask=in_row, other=_BIG))
+    usable = (tl.max(tl.load(any_ptr + races, mask=in_row, other=0), axis=0) > 0) & (
+        tl.load(random_ptr + row) != 0
+    )
     token = tl.where(usable, raced, greedy)
     r = tl.div_rn(1.0, tl.load(temps_ptr + row))
     # (token < vocab always: a row of NaN or -inf logits takes its first id; the mask is a guard)
@@ -280,7 +294,12 @@ def sample(
     f32 = dict(dtype=torch.float32, device=dev)
     i32 = dict(dtype=torch.int32, device=dev)
     max_val, max_idx = torch.empty(n, p, **f32), torch.empty(n, p, **i32)
-    race_val, race_idx, positive = torch.empty(n, p, **f32), torch.empty(n, p, **i32), torch.empty(n, p, **i32)
+    pr = triton.cdiv(vocab, RACE_BLOCK)  # the race's programs per row (contiguous ids)
+    race_val, race_idx, positive = (
+        torch.empty(n, pr, **f32),
+        torch.empty(n, pr, **i32),
+        torch.empty(n, pr, **i32),
+    )
     lane_sums = torch.empty(n, c, **f32)
     shift, log_total = torch.empty(n, **f32), torch.empty(n, **f32)
     tile = dict(S=s, L=lanes, C=c, P=p, num_warps=8, enable_fp_fusion=False)
@@ -288,22 +307,13 @@ def sample(
     _max_kernel[(n, p)](logits, stride, vocab, max_val, max_idx, **tile)
     _sum_kernel[(n, p)](logits, stride, vocab, temps, max_val, lane_sums, **tile)
     _total_kernel[(n,)](lane_sums, log_total, C=c, num_warps=8)
-    _race_kernel[(n, p)](
-        logits,
-        stride,
-        vocab,
-        temps,
-        keys,
-        max_val,
-        race_val,
-        race_idx,
-        positive,
-        shift,
-        log_total,
-        **tile,
-    )
+    _race_kernel[(n, pr)](
+        logits, stride, vocab, temps, keys, max_val, race_val, race_idx, positive, shift, log_total,
+        P=p, PR=pr, BLOCK=RACE_BLOCK, num_warps=8, enable_fp_fusion=False,
+    )  # fmt: skip
     _finish_kernel[(n,)](
         logits, stride, vocab, temps, random_row, max_val, max_idx, race_val, race_idx, positive, shift,
-        log_total, tokens, out_lp, P=p, num_warps=1, enable_fp_fusion=False,
+        log_total, tokens, out_lp, P=p, PR=pr, PR_PAD=triton.next_power_of_2(pr), num_warps=1,
+        enable_fp_fusion=False,
     )  # fmt: skip
     return tokens, out_lp
