@@ -10,9 +10,10 @@ decide which rows and columns share a program and how loads are pipelined, never
 order in which an element's K products are added. BLOCK_K is not in this table: it is one
 constant for every batch. So an element's bits are a function of its own token, its
 expert's weights and K alone, whichever entry ran. Measured on the H200 (2026-12-03,
-`benchmarks/experts_configs.py`): seven choices of the four gave the default's bits at
-T = 1 .. 4096 (and, per docs/perf-notes.md, so did BLOCK_K 32: the MMAs add K in 16-wide
-steps in order either way; samebits keeps BLOCK_K fixed regardless).
+`benchmarks/experts_configs.py`): every choice tried (BLOCK_M 16-128, BLOCK_N 32-128, 4 or
+8 warps, 3 or 4 stages) gave the default's bits at T = 1 .. 4096. (Per docs/perf-notes.md
+BLOCK_K 32 did too, as the MMAs add K in 16-wide steps in order either way; samebits
+keeps BLOCK_K fixed regardless, the one choice that could reorder K.)
 
 The entries, by routed (token, slot) pairs N = T * top_k (a function of the batch's token
 count T alone for a given model). Eager us at the Qwen3-30B-A3B shape (128 experts, top-8,
