@@ -8,8 +8,11 @@ chunks and H in BLOCK_K steps, for the gate and the up half at once, and writes
 them). `down_kernel` does the same over I for the down projection, keeps the
 result in fp32, multiplies it by the routing weight in fp32 and stores it at the
 pair's own slot. The top-k slots are then summed in a fixed pairwise tree and
-rounded once. One tile configuration for every batch, fixed BLOCK_K, no
-split-K: a row's bits depend on its own token and weights alone. Expert weights
+rounded once. No split-K and one BLOCK_K for every batch: each element's K order
+is fixed, so a row's bits depend on its own token and weights alone. The other tile
+choices (BLOCK_M, BLOCK_N, warps, stages) follow the number of routed pairs
+(`experts_tiles.tiles_for`: small tiles for decode, large ones for prefill chunks);
+they never change that order, so they never change a bit. Expert weights
 are read in place in the transformers layout: gate_up_proj [E, 2I, H] ([gate;
 up] on dim 1), down_proj [E, H, I].
 
@@ -32,9 +35,10 @@ import triton
 import triton.language as tl
 
 from samebits.kernels.experts import route
+from samebits.kernels.experts_tiles import BLOCK_K, SMALL_TILES, tiles_for
 from samebits.kernels.reduce import tree_sum_ref
 
-BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 64, 64, 4, 3
+BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = SMALL_TILES  # the decode entry of the tile table
 _DTYPES = (torch.bfloat16, torch.float16)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (development only)
 
@@ -185,13 +189,15 @@ def experts_forward(
 ) -> torch.Tensor:
     """Sum over k of `weight_k * down_e(silu(gate_e(x)) * up_e(x))` -> [T, H], batch invariant.
 
-    `block_k` exists for experiments and negative controls; samebits always uses BLOCK_K.
-    `tiles` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the fixed configuration for
-    experiments (`benchmarks/experts_configs.py`: which choices keep the bits, at what cost).
+    The tiles are `tiles_for(T * K)`: chosen by the batch's size alone, and with BLOCK_K
+    fixed a row's bits do not depend on which entry ran (module docstring). `tiles` =
+    (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the table for experiments and tests
+    (`benchmarks/experts_configs.py`). `block_k` exists for experiments; samebits always
+    uses BLOCK_K.
     """
-    block_m, block_n, warps, stages = tiles or (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES)
     _check(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
     t, k = top_k_index.shape
+    block_m, block_n, warps, stages = tiles or tiles_for(t * k)
     e, two_i, h = gate_up_proj.shape
     i = two_i // 2
     if t == 0:

@@ -1,0 +1,55 @@
+"""The Triton MoE experts' tile table: (BLOCK_M, BLOCK_N, num_warps, num_stages) by batch size.
+
+Plain Python (no torch, no Triton), so the table is testable on any machine; the kernels
+are in `experts_triton.py`.
+
+Why the tiles may follow the batch and the bits still may not: every output element of
+`gate_up_kernel` and `down_kernel` is one program's fp32 accumulator walking its K
+(H, then I) from 0 up in BLOCK_K steps, no split-K. BLOCK_M, BLOCK_N, warps and stages
+decide which rows and columns share a program and how loads are pipelined, never the
+order in which an element's K products are added. BLOCK_K is not in this table: it is one
+constant for every batch. So an element's bits are a function of its own token, its
+expert's weights and K alone, whichever entry ran. Measured on the H200 (2026-12-03,
+`benchmarks/experts_configs.py`): every choice tried (BLOCK_M 16-128, BLOCK_N 32-128, 4 or
+8 warps, 3 or 4 stages) gave the default's bits at T = 1 .. 4096. (Per docs/perf-notes.md
+BLOCK_K 32 did too, as the MMAs add K in 16-wide steps in order either way; samebits
+keeps BLOCK_K fixed regardless, the one choice that could reorder K.)
+
+The entries, by routed (token, slot) pairs N = T * top_k (a function of the batch's token
+count T alone for a given model). Eager us at the Qwen3-30B-A3B shape (128 experts, top-8,
+H 2048, I 768), the whole layer's gate_up + down:
+
+    tiles               T=256  T=1024  T=4096
+    (64, 64, 4, 3)        341     623    1917   <- N < 8192 (decode; prefill under 1024 tokens)
+    (128, 128, 8, 3)      447     579    1384   <- N >= 8192 (prefill chunks, trainer packs)
+
+At decode sizes the large tiles leave most of each 128-row tile empty (T * 8 / 128
+experts = 16 rows per expert at T = 256). (128, 64, 8, 3) measured 550 / 1444 us at
+T = 1024 / 4096: 5% faster than (128, 128) at 1024, 4% slower at 4096, one eager sample
+each and no point between, so no middle entry until a run at T = 2048 says where they
+cross. Shared memory: (128, 128, 8, 3) with BLOCK_K 64 in bf16 needs about 144 KB
+(3 stages x (x tile + gate and up tiles)); it fits on H100/H200 (227 KB), not on GPUs with
+about 100 KB a block.
+"""
+
+from __future__ import annotations
+
+BLOCK_K = 64  # the K step of both kernels, for every batch: fixes each element's K order
+SMALL_TILES = (64, 64, 4, 3)  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+LARGE_TILES = (128, 128, 8, 3)
+# (first N = routed pairs, tiles), starts increasing: the last entry whose start <= N is used
+TILES_FROM_PAIRS = ((0, SMALL_TILES), (8192, LARGE_TILES))  # 8192 pairs = 1024 tokens at top-8
+
+
+def tiles_for(pairs: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a call routing `pairs` = T * top_k pairs.
+
+    Depends on the batch only through its size; BLOCK_K is never part of the choice.
+    """
+    if pairs < 0:
+        raise ValueError(f"experts tiles: pairs must be >= 0 (tokens * top_k), got {pairs}")
+    chosen = TILES_FROM_PAIRS[0][1]
+    for start, tiles in TILES_FROM_PAIRS:
+        if pairs >= start:
+            chosen = tiles
+    return chosen

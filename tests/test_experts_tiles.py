@@ -1,0 +1,41 @@
+"""The Triton experts' tile table (`kernels/experts_tiles.py`): where it switches, and what it may
+change. Portable: the table is plain Python; the bits across the switch are
+tests/test_gpu_experts_tiles.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from samebits.kernels import experts_tiles
+from samebits.kernels.experts_tiles import LARGE_TILES, SMALL_TILES, TILES_FROM_PAIRS, tiles_for
+
+
+@pytest.mark.parametrize(
+    ("tokens", "want"),
+    [(0, SMALL_TILES), (1, SMALL_TILES), (512, SMALL_TILES), (1023, SMALL_TILES)]
+    + [(1024, LARGE_TILES), (1500, LARGE_TILES), (4096, LARGE_TILES), (65536, LARGE_TILES)],
+)
+def test_decode_keeps_the_small_tiles_and_prefill_chunks_get_the_large_ones(tokens, want):
+    assert tiles_for(tokens * 8) == want  # top-8: the Qwen3-30B-A3B and Omni thinker experts
+
+
+def test_the_switch_is_at_8192_pairs_and_the_two_entries_differ():
+    assert tiles_for(8191) == SMALL_TILES and tiles_for(8192) == LARGE_TILES
+    assert SMALL_TILES != LARGE_TILES  # else the GPU tests across the switch compare a config with itself
+
+
+def test_the_table_holds_no_k_step_and_its_entries_are_launchable():
+    """Entries are (BLOCK_M, BLOCK_N, warps, stages) only: BLOCK_K is one module constant, so no
+    batch size can change an element's K order. Tiles are powers of two >= 16 (tl.dot)."""
+    starts = [start for start, _ in TILES_FROM_PAIRS]
+    assert starts[0] == 0 and starts == sorted(set(starts))
+    for _, (block_m, block_n, warps, stages) in TILES_FROM_PAIRS:
+        for size in (block_m, block_n):
+            assert size >= 16 and size & (size - 1) == 0, size
+        assert warps in (1, 2, 4, 8, 16) and stages >= 1
+    assert experts_tiles.BLOCK_K == 64
+
+
+def test_a_negative_pair_count_is_refused():
+    with pytest.raises(ValueError, match="pairs must be >= 0"):
+        tiles_for(-1)

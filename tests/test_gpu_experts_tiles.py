@@ -1,0 +1,88 @@
+"""CUDA: the Triton experts pick their tiles by the batch size (`experts_tiles.tiles_for`), and
+no row's bits follow. At the real Qwen3-30B-A3B experts shape (128 experts, top-8, H 2048,
+I 768), where an element sums 2048 (gate/up) and 768 (down) products, so its K order shows
+in the bits (the controls below)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from samebits.kernels.experts_tiles import LARGE_TILES, SMALL_TILES, tiles_for
+
+pytestmark = pytest.mark.gpu
+
+E, K, H, INTER, T_BIG = 128, 8, 2048, 768, 1500
+
+
+def _g(seed):
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    """x [T_BIG, H], index and weights [T_BIG, K], gate_up [E, 2I, H], down [E, H, I]; bf16."""
+    x = torch.randn(T_BIG, H, device="cuda", generator=_g(0)).bfloat16()
+    logits = torch.randn(T_BIG, E, device="cuda", generator=_g(1))
+    weights, index = torch.softmax(logits, -1).topk(K, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).bfloat16()
+    gate_up = (torch.randn(E, 2 * INTER, H, device="cuda", generator=_g(2)) * H**-0.5).bfloat16()
+    down = (torch.randn(E, H, INTER, device="cuda", generator=_g(3)) * INTER**-0.5).bfloat16()
+    return x, index, weights, gate_up, down
+
+
+def _forward(inputs, rows=slice(None), **kw):
+    from samebits.kernels.experts_triton import experts_forward
+
+    x, index, weights, gate_up, down = inputs
+    return experts_forward(x[rows], index[rows], weights[rows], gate_up, down, **kw)
+
+
+@pytest.mark.parametrize("t", [8, 1023, 1024, T_BIG])
+def test_the_automatic_tiles_give_the_bits_of_either_entry_forced(inputs, t):
+    """On both sides of the switch (1024 tokens at top-8), the table's choice, the small tiles
+    forced and the large tiles forced give one result, bit for bit."""
+    rows = slice(T_BIG - t, T_BIG)
+    auto = _forward(inputs, rows)
+    assert torch.equal(auto, _forward(inputs, rows, tiles=SMALL_TILES)), t
+    assert torch.equal(auto, _forward(inputs, rows, tiles=LARGE_TILES)), t
+
+
+def test_rows_of_a_prefill_sized_call_equal_the_same_rows_in_decode_sized_calls(inputs):
+    """Rows computed inside one T_BIG call (large tiles) equal them computed in calls under the
+    switch (small tiles), at the start, middle and end of the batch; and in a second call
+    over the switch at another offset."""
+    assert tiles_for(T_BIG * K) == LARGE_TILES
+    full = _forward(inputs)
+    for start, m in ((0, 1), (T_BIG - 1, 1), (700, 7), (333, 64), (1100, 300), (0, 1023), (T_BIG - 1024, 1024)):
+        assert tiles_for(m * K) == (LARGE_TILES if m >= 1024 else SMALL_TILES)
+        rows = slice(start, start + m)
+        assert torch.equal(_forward(inputs, rows), full[rows]), (start, m)
+
+
+def _roll_h(inputs, s):
+    """The same sums with each gate/up element's H products in another order (rotated by s)."""
+    x, index, weights, gate_up, down = inputs
+    return x.roll(s, dims=1), index, weights, gate_up.roll(s, dims=2), down
+
+
+def _roll_i(inputs, s):
+    """The same sums with each down element's I products in another order: the intermediate
+    columns rotated by s (gate and up rows of gate_up, the columns of down)."""
+    x, index, weights, gate_up, down = inputs
+    gate_up = gate_up.view(E, 2, INTER, H).roll(s, dims=2).reshape(E, 2 * INTER, H)
+    return x, index, weights, gate_up, down.roll(s, dims=2)
+
+
+@pytest.mark.parametrize("reorder", [_roll_h, _roll_i], ids=["gate_up_K", "down_K"])
+def test_control_another_k_order_changes_the_bits_the_tiles_do_not(inputs, reorder):
+    """Negative control for the reason the table is safe: the tiles never change an element's
+    K order, and at this shape the K order is visible. The same products summed from another
+    start (exactly the same math) give other bits, in both kernels, with either tile entry;
+    the difference is rounding-sized."""
+    for tiles in (SMALL_TILES, LARGE_TILES):
+        base = _forward(inputs, tiles=tiles)
+        other = _forward(reorder(inputs, 40), tiles=tiles)
+        assert not torch.equal(other, base), tiles
+        err = ((other.double() - base.double()).abs() / (base.double().abs() + 1)).max().item()
+        assert err < 3e-2, (tiles, err)
