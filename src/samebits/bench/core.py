@@ -230,7 +230,8 @@ def engine_limits(batches, context: int, generate_steps: int, rollout: tuple[int
     """max_num_seqs and max_model_len that every engine measurement fits in (no preemption)."""
     seqs = max((*batches, rollout[0] if rollout else 1))
     max_len = max(context + 16, rollout[1] + rollout[2] if rollout else 1)
-    if generate_steps:  # the engine's default token budget is max(max_model_len, 2048): at least this
+    if generate_steps:  # the default budget is max(max_model_len, 2048 on the CPU, 8192 on CUDA):
+        # the smaller one makes the longer prefill phase, so this bound holds on both
         max_len = max(max_len, generate_max_len(context, batches, generate_steps, max(max_len, 2048)))
     return {"max_num_seqs": seqs, "max_model_len": max_len}
 

@@ -44,7 +44,12 @@ def add_parser(sub) -> None:
         default=None,
         help="prompt + output tokens (default: min(4096, the model's limit))",
     )
-    s.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step")
+    s.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per step (default: max(max_model_len, 8192) on CUDA, 2048 on the CPU)",
+    )
     s.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
     s.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: max_num_seqs full seqs)")
     s.add_argument("--numerics", default="exact", choices=("exact", "fast"), help="numerics profile")
