@@ -9,6 +9,7 @@ import csv
 import io
 import json
 import math
+import statistics
 
 import pytest
 from rich.console import Console
@@ -71,6 +72,21 @@ def test_measure_generate_fields(llm):
     assert min(g.prefill_s, g.first_s, g.last_s) > 0
     assert g.prefill_tok_s == 3 * 10 / g.prefill_s
     assert g.decode_tok_s == pytest.approx(1000 * 3 / g.decode_ms)
+    assert len(g.step_s) >= g.last - g.first and g.decode_ms == 1000 * statistics.median(g.step_s)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_timed_decode_steps_records_exactly_the_full_batch_decode_steps(tiny, monkeypatch, async_scheduling):
+    # decode_ms is the median of these: the steps in which all B rows decode one token each
+    # (the ones the test above counts), and no other step, whether steps are launched ahead or not
+    kw = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=24, async_scheduling=async_scheduling)
+    llm = LLM(tiny, device="cpu", **kw)
+    prompts = bench_generate.random_prompts(llm.config.vocab_size, 3, 20, seed=0)
+    steps = _steps_of(llm, monkeypatch)
+    seconds, timed = bench_generate.timed_decode_steps(llm, prompts, 9)
+    assert seconds > 0 and all(t > 0 for t in timed)
+    assert len(timed) == steps.count((1, 1, 1)) >= 9 - bench_generate.first_decode_tokens(3, 20, 24)
+    assert not llm.core.has_unfinished()
 
 
 def test_measure_generate_refuses_no_extra_steps(llm):
@@ -213,22 +229,27 @@ def test_bench_cli_on_cuda_writes_every_measure(tiny, tmp_path, capsys):
     ]
     for r in data["decode"]:
         assert min(r["step_ms"], r["replay_ms"], r["prefill_tok_s"]) > 0
-        assert math.isfinite(r["generate_ms"])  # a difference of two wall times
+        assert math.isfinite(r["generate_ms"]) and r["generate_ms"] > 0  # the median full-batch step
     assert {a: r["requests"] for a, r in data["rollout"].items()} == {"exact": 3, "fast": 3}
     assert data["rl_step"]["shape"] == "8 x 4 (8 -> 128)" and data["rl_step"]["ratio"] > 0
     assert "rollout through generate" in capsys.readouterr().out
 
 
 def test_timed_decode_steps_are_raised_to_the_prefill_phase(llm, monkeypatch):
-    # decode_ms is a difference of two calls; the inserted steps are at least the prefill
-    # phase's, so the difference is not a small part of either call
+    # the difference of two calls (and the last call's full-batch steps): the inserted steps
+    # are at least the prefill phase's, so the difference is not a small part of either call
     asked = []
 
     def timed(_, prompts, max_tokens, seed=0):  # what was asked, not run
         asked.append(max_tokens)
         return 1.0
 
+    def stepped(_, prompts, max_tokens, seed=0):  # the last call: its steps timed too
+        asked.append(max_tokens)
+        return 1.0, [0.01]
+
     monkeypatch.setattr(bench_generate, "timed_generate", timed)
+    monkeypatch.setattr(bench_generate, "timed_decode_steps", stepped)
     monkeypatch.setattr(bench_generate, "first_decode_tokens", lambda *a: 7)
     g = bench_generate.measure_generate(llm, batch=2, context=4, extra=3)
     assert asked == [7, 1, 7, 14] and (g.first, g.last) == (7, 14)

@@ -378,7 +378,8 @@ def _add_bench(sub) -> None:
         help="what users see: decode, prefill and a rollout through generate, exact vs fast; "
         "vs transformers generate, the trainer and the RL step (CUDA)",
         description="For the exact and fast profiles at each batch size B (B sequences of --context "
-        "tokens): decode ms per extra output token and prefill tok/s through LLM.generate, the "
+        "tokens): decode ms per output token (the median step in which all B rows decode) and prefill "
+        "tok/s through LLM.generate, the "
         "engine step (batch assembly, forward, CUDA graphs, sampling) and its CUDA-graph replay "
         "alone, against the memory floor (bytes a step reads over the measured copy bandwidth); "
         "and a rollout of --num-prompts x (--input-len -> --output-len) tokens through generate as "

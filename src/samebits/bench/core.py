@@ -3,7 +3,8 @@ does, and the stock baselines (transformers `generate`, the trainer, the RL step
 model, in one run.
 
 Per engine arm and batch B (each of B sequences at `context` tokens):
-- through `LLM.generate` (`bench.generate`): decode ms per extra output token and
+- through `LLM.generate` (`bench.generate`): decode ms per output token (the median
+  step in which all B rows decode) and
   prefill tok/s, everything the user waits for (scheduler, host loop, sampling);
 - the engine step (`ModelRunner.run`: batch assembly, the forward, CUDA-graph replay,
   sampling, the host sync) and the graph replay alone, the GPU's share;

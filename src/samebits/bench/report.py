@@ -19,8 +19,9 @@ class Row:
     """One decode point of one arm: `batch` sequences holding `context` tokens of KV.
 
     `step_ms`: the engine step (`ModelRunner.run`) for the exact/fast arms, generate's extra
-    time per token for transformers. `generate_ms`: ms per extra output token through
-    `LLM.generate` (None when not measured); `replay_ms`: the CUDA-graph replay alone;
+    time per token for transformers. `generate_ms`: ms per output token through
+    `LLM.generate` (the median step in which all B rows decode; None when not measured);
+    `replay_ms`: the CUDA-graph replay alone;
     `prefill_tok_s`: prompt tokens/s of `batch` prompts of `context` tokens through generate.
     """
 
