@@ -190,3 +190,43 @@ def test_async_scheduling_is_checked_and_defaults_to_the_device(tiny):
     with pytest.raises(ValueError, match="async_scheduling must be None or a bool"):
         LLM(tiny, max_num_seqs=2, max_model_len=64, async_scheduling="yes")
     assert LLM(tiny, max_num_seqs=2, max_model_len=64).core.async_scheduling is False  # the CPU default
+
+
+def test_streams_through_the_async_engine_with_steps_run_ahead(tiny, ahead_launches):
+    """AsyncEngine (requests arriving between steps, an abort while a step runs ahead): each
+    stream ends with the tokens `generate` gives its request alone, synchronously."""
+    import asyncio
+
+    from samebits.engine.async_engine import AsyncEngine
+
+    llm = LLM(tiny, max_num_seqs=4, max_model_len=128, async_scheduling=True)
+    sync = LLM(tiny, max_num_seqs=4, max_model_len=128, async_scheduling=False)
+    prompts = make_prompts((5, 9, 13, 4, 7, 11), llm.config.vocab_size, seed=2)
+    params = [SamplingParams(temperature=1.0, max_tokens=14 + i, ignore_eos=True, seed=i) for i in range(6)]
+    engine = AsyncEngine(llm)
+
+    async def collect(i):
+        return [o async for o in engine.generate(prompts[i], params[i], f"r{i}")]
+
+    async def main():
+        tasks = []
+        for i in range(6):
+            tasks.append(asyncio.create_task(collect(i)))
+            await asyncio.sleep(0)
+        gen = engine.generate([3, 4, 5], SamplingParams(max_tokens=60, ignore_eos=True, seed=9), "x")
+        await gen.__anext__()
+        await gen.__anext__()
+        engine.abort("x")
+        aborted = [o async for o in gen]
+        return await asyncio.gather(*tasks), aborted
+
+    try:
+        streams, aborted = asyncio.run(main())
+    finally:
+        engine.close()
+    assert aborted[-1].finish_reason == "abort" and len(aborted[-1].token_ids) < 60
+    for i, outs in enumerate(streams):
+        want = sync.generate([prompts[i]], params[i], progress=False)[0]
+        assert outs[-1].token_ids == want.token_ids and torch.equal(outs[-1].logprobs, want.logprobs)
+    assert ahead_launches[0] > 0
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
