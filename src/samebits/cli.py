@@ -359,6 +359,7 @@ def _bench(args) -> int:
         steps=args.steps,
         generate_steps=args.generate_steps,
         rollout=rollout,
+        async_scheduling=args.async_scheduling,
     )
     if args.rl:  # after the engine and models above are freed: the arms load their own
         from samebits.rl import arms as rl_arms
@@ -433,6 +434,13 @@ def _add_bench(sub) -> None:
         help="timed engine steps (runner, not generate) per point (default 20)",
     )
     _add_user_flags(b)
+    b.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the engine's async scheduling (default: the engine's, on for CUDA); run once with "
+        "each to price the host loop",
+    )
     b.add_argument(
         "--out", default="bench-out", type=cli_checks.writable_dir, help="output folder (default bench-out)"
     )

@@ -286,10 +286,11 @@ def run(
     generate_steps: int = 64,
     rollout: tuple[int, int, int] | None = (256, 1024, 1024),
     log=print,
+    async_scheduling: bool | None = None,
 ) -> BenchResult:
     """Run the chosen arms on CUDA. `generate_steps`: decode steps timed through `generate`
     per point (0: none, nor prefill); `rollout`: (requests, prompt tokens, new tokens), run on
-    each engine arm, or None."""
+    each engine arm, or None; `async_scheduling`: the engine's option (None: its default)."""
     from samebits.engine.llm import LLM
 
     if not torch.cuda.is_available():
@@ -303,7 +304,9 @@ def run(
     engine_arms = [a for a in arms if a in PROFILES]
     if engine_arms:
         t0 = time.perf_counter()
-        llm = LLM(model, device="cuda", **engine_limits(batches, context, generate_steps, rollout))
+        limits = engine_limits(batches, context, generate_steps, rollout)
+        llm = LLM(model, device="cuda", async_scheduling=async_scheduling, **limits)
+        result.meta["async_scheduling"] = llm.core.async_scheduling
         log(f"engine built in {time.perf_counter() - t0:.0f} s")
         for arm in engine_arms:
             result.rows += measure_engine_arm(llm, arm, batches, context, steps, generate_steps, bw, log)
