@@ -25,6 +25,7 @@ import time
 
 from samebits import LLM, SamplingParams
 from samebits.engine.cuda_graphs import DecodeGraphs, graph_sizes
+from samebits.engine.sampler import Pending
 from samebits.model.tiny import tiny_checkpoint_cache
 
 
@@ -42,14 +43,14 @@ def measure(batch: int, context: int, steps: int) -> tuple[float, float, float, 
         elif acc["in_step"]:
             acc["gc"] += time.perf_counter() - acc["gc_t0"]
 
-    def stub(b, reqs):  # the runner: the graphs' input fill, then one fixed sample per row
+    def stub(b, reqs, ahead=None):  # the runner: the graphs' input fill, then one fixed sample per row
         size = graphs.size_for(b)
         acc["full"] = size is not None and len(b.chunks) == batch
         if size is not None:
             t0 = time.perf_counter()
-            graphs._fill(b, size, reqs)
+            graphs._fill(b, size, reqs, ahead)
             acc["fill"] += time.perf_counter() - t0 if acc["full"] else 0.0
-        return [(5, -1.0)] * len(reqs)
+        return Pending.done([(5, -1.0)] * len(reqs), "cpu")
 
     core_step = llm.core.step
 
@@ -65,7 +66,7 @@ def measure(batch: int, context: int, steps: int) -> tuple[float, float, float, 
             acc["gc"] = gc0  # a collection in an uncounted step
         return out
 
-    llm.runner.run, llm.core.step = stub, step
+    llm.runner.launch, llm.core.step = stub, step
     prompts = [[(i * 31 + j) % 250 + 1 for j in range(context)] for i in range(batch)]
     params = SamplingParams(max_tokens=steps, ignore_eos=True, seed=1, detokenize=False)
     llm.generate(prompts, params, progress=False)  # warm-up
