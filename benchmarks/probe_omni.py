@@ -139,24 +139,25 @@ def tiny_prompts() -> dict:
 def timed_decode_steps(llm, prompts, params):
     """llm.generate's outputs and the wall time (ms) of each decode step (every chunk one token)."""
     runner, times = llm.runner, []
-    run = runner.run
+    launch = runner.launch
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
 
-    def timed(batch, reqs):
+    def timed(batch, reqs, ahead=None):
         if not all(c.num_tokens == 1 for c in batch.chunks):
-            return run(batch, reqs)
+            return launch(batch, reqs, ahead)
         sync()
         t0 = time.perf_counter()
-        out = run(batch, reqs)
+        out = launch(batch, reqs, ahead)
+        out.result()  # (the step, waited for: no step overlaps another while timed)
         sync()
         times.append(1000 * (time.perf_counter() - t0))
         return out
 
-    runner.run = timed
+    runner.launch = timed
     try:
         return llm.generate(prompts, params), times
     finally:
-        del runner.run
+        del runner.launch
 
 
 def run(path, prompts: dict, device: str, tokens: int, seed: int, log=print, cuda_graphs: bool = True):
