@@ -168,8 +168,8 @@ class EngineCore:
         if self.has_unfinished():
             n = len(self._requests)
             raise RuntimeError(
-                f"{what}: {n} requests are in flight on this engine (an AsyncEngine's); "
-                "wait for them to finish or abort them first"
+                f"{what}: {n} requests are in flight on this engine (an AsyncEngine's; or a step "
+                "launched ahead is still draining); wait for them to finish or abort them first"
             )
 
     def check_runnable(self, where: str) -> None:
@@ -232,7 +232,12 @@ class EngineCore:
     def abort_all(self) -> None:
         """Abort and forget every request (after an error inside a step)."""
         self.llm.scheduler.abort_all()
-        self._inflight = None  # (its blocks are freed; later steps run after it on the stream)
+        if self._inflight is not None:  # wait for it: it may still read weights and write K/V
+            try:
+                self._inflight[2].result()
+            except Exception:  # noqa: BLE001 - the step's own failure: nothing to wait for
+                pass
+            self._inflight = None
         self._requests.clear()
         self._by_seq.clear()
         self._watched.clear()

@@ -49,8 +49,8 @@ class EngineConfig:
     # requests): vLLM's option; bitwise equal to computing them (engine/block_manager.py)
     enable_prefix_caching: bool = True
     # vLLM's option: the next decode step is scheduled and launched while the device runs
-    # this one (engine/core.py); the same tokens and bits. None: on for CUDA, off on the CPU
-    # (where the host waits for each step anyway)
+    # this one (engine/core.py); under the exact profile the same tokens and bits. None: on
+    # for CUDA, off on the CPU (where the host waits for each step anyway)
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:

@@ -159,7 +159,7 @@ class Pending:
         host[0].copy_(tokens, non_blocking=True)
         host[1].copy_(chosen, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(tokens.device))  # the step's device, not the current one
         return cls(tokens=tokens, host=host, event=event)
 
     @property

@@ -252,12 +252,13 @@ class Scheduler:
         (stop_token_ids, eos unless ignore_eos) once it has min_tokens.
         """
         finished, publish, block_size = [], self.blocks.publish, self.blocks.block_size
+        sharing = self.blocks.enable_prefix_caching
         for chunk in batch.chunks:
             seq = chunk.seq
             if seq.status is SequenceStatus.FINISHED:  # aborted or stopped while its step ran
                 continue  # (async scheduling): the row's result is dropped
             seq.num_computed_tokens += chunk.num_tokens
-            if seq.num_computed_tokens // block_size > seq.num_hashed_blocks:
+            if sharing and seq.num_computed_tokens // block_size > seq.num_hashed_blocks:
                 publish(seq, seq.num_computed_tokens)  # a step scheduled ahead published nothing
             if not chunk.samples:
                 continue

@@ -66,7 +66,7 @@ def add_parser(sub) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="schedule and launch the next decode step while the device runs this one (the same "
-        "tokens and bits; default: on for CUDA, off on the CPU)",
+        "tokens and bits under --numerics exact; default: on for CUDA, off on the CPU)",
     )
     s.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     s.set_defaults(fn=run)
