@@ -230,3 +230,33 @@ def test_streams_through_the_async_engine_with_steps_run_ahead(tiny, ahead_launc
         assert outs[-1].token_ids == want.token_ids and torch.equal(outs[-1].logprobs, want.logprobs)
     assert ahead_launches[0] > 0
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_a_failed_step_with_a_step_in_flight_leaves_a_clean_engine(tiny, monkeypatch):
+    """An error while a step runs ahead (here: in the bookkeeping of the step before it): the
+    generate call raises, the step in flight is waited for and dropped, every block is free,
+    and the next call gives the synchronous bits."""
+    llm = LLM(tiny, max_num_seqs=4, max_model_len=128, async_scheduling=True)
+    sync = LLM(tiny, max_num_seqs=4, max_model_len=128, async_scheduling=False)
+    prompts = make_prompts((12, 20, 7), llm.config.vocab_size, seed=5)
+    params = SamplingParams(max_tokens=20, ignore_eos=True, seed=2)
+    postprocess, calls = llm.scheduler.postprocess, [0]
+
+    def failing(batch, sampled):
+        calls[0] += 1
+        if calls[0] == 6:
+            assert llm.core._inflight is not None  # the failure hits with a step launched ahead
+            raise RuntimeError("bookkeeping failed")
+        return postprocess(batch, sampled)
+
+    monkeypatch.setattr(llm.scheduler, "postprocess", failing)
+    with pytest.raises(RuntimeError, match="bookkeeping failed"):
+        llm.generate(prompts, params, progress=False)
+    monkeypatch.undo()
+    assert llm.core._inflight is None and not llm.core.has_unfinished()
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    got, want = llm.generate(prompts, params, progress=False), sync.generate(prompts, params, progress=False)
+    assert all(
+        a.token_ids == b.token_ids and torch.equal(a.logprobs, b.logprobs)
+        for a, b in zip(got, want, strict=True)
+    )
