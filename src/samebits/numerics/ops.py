@@ -20,8 +20,10 @@ from samebits.kernels.sample import race  # noqa: F401  (the engine's sampler ra
 from samebits.numerics import composite, scope
 from samebits.numerics.batch_invariant import batch_invariant
 from samebits.numerics.registry import pick
+from samebits.numerics.warmup import warm_cpu_vector_math
 
 Tensor = torch.Tensor
+warm_cpu_vector_math()  # (before any model or trainer computes: numerics/warmup.py)
 
 
 def rotary_inv_freq(head_dim: int, rope_theta: float) -> Tensor:
