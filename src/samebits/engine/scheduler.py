@@ -144,11 +144,13 @@ class Scheduler:
         """The decode step after `prev`, planned while prev still runs and its samples are not
         known here (async scheduling, engine/core.py): each of prev's sequences computes the
         token prev samples for it and samples the one after. None unless prev decoded exactly
-        the running sequences, in order, and no waiting sequence could be admitted now: those
+        the running sequences, in order (leaving out those that ended since: a stop or an
+        abort), and no waiting sequence could be admitted now: those
         steps are the synchronous `schedule`'s. A sequence whose pending sample ends it by
         length is left out; one that ends by a stop token is dropped from the step's results
         when the engine learns it. Allocates nothing (`commit_ahead` does)."""
-        chunks = prev.chunks
+        # (rows of sequences that ended while prev ran are dropped from prev's results: skip them)
+        chunks = [c for c in prev.chunks if c.seq.status is not SequenceStatus.FINISHED]
         if len(chunks) != len(self.running) or (self.waiting and len(self.running) < self.max_num_seqs):
             return None
         planned = []
