@@ -260,3 +260,31 @@ def test_a_failed_step_with_a_step_in_flight_leaves_a_clean_engine(tiny, monkeyp
         a.token_ids == b.token_ids and torch.equal(a.logprobs, b.logprobs)
         for a, b in zip(got, want, strict=True)
     )
+
+
+def test_a_length_finish_admits_the_waiting_sequence_in_the_synchronous_step(tiny, monkeypatch):
+    """5 requests over 2 slots, ends by length only: the steps (which rows, which tokens) are
+    the synchronous loop's, one by one; a finish known ahead leaves the step to the
+    synchronous scheduler, which admits the next request at once. Control, the reason: with
+    stop tokens (unknown ahead) a dropped row and a one-step-later admission show up."""
+
+    def steps_of(flag, params):
+        llm = LLM(tiny, max_num_seqs=2, max_model_len=128, async_scheduling=flag)
+        prompts = make_prompts((9, 14, 6, 11, 8), llm.config.vocab_size, seed=7)
+        launch, record = ModelRunner.launch, []
+
+        def spy(self, batch, reqs, ahead=None):
+            record.append(tuple((c.seq.index, c.start, c.num_tokens) for c in batch.chunks))
+            return launch(self, batch, reqs, ahead)
+
+        monkeypatch.setattr(ModelRunner, "launch", spy)
+        try:
+            llm.generate(prompts, params, progress=False)
+        finally:
+            monkeypatch.undo()
+        return record
+
+    lengths = [SamplingParams(max_tokens=m, ignore_eos=True, seed=i) for i, m in enumerate((12, 5, 9, 14, 7))]
+    assert steps_of(True, lengths) == steps_of(False, lengths)
+    stops = [SamplingParams(max_tokens=40, seed=i, stop_token_ids=list(range(1, 384, 19))) for i in range(5)]
+    assert steps_of(True, stops) != steps_of(False, stops)

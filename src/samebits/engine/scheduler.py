@@ -147,7 +147,8 @@ class Scheduler:
         the running sequences, in order (leaving out those that ended since: a stop or an
         abort), and no waiting sequence could be admitted now: those
         steps are the synchronous `schedule`'s. A sequence whose pending sample ends it by
-        length is left out; one that ends by a stop token is dropped from the step's results
+        length is left out (or, with sequences waiting, the step is left to `schedule`, which
+        admits one in its slot at once); one that ends by a stop token is dropped from the step's results
         when the engine learns it. Allocates nothing (`commit_ahead` does)."""
         # (rows of sequences that ended while prev ran are dropped from prev's results: skip them)
         chunks = [c for c in prev.chunks if c.seq.status is not SequenceStatus.FINISHED]
@@ -161,6 +162,8 @@ class Scheduler:
                 chunk = ScheduledChunk(seq, c.start + 1, 1)
                 chunk.samples = True  # (its input token is prev's sample, not yet in token_ids)
                 planned.append(chunk)
+            elif self.waiting:  # it frees a slot a waiting sequence gets in the synchronous step
+                return None
         return planned
 
     def commit_ahead(self, planned: list[ScheduledChunk]) -> ScheduledBatch | None:
