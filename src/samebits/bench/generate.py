@@ -108,10 +108,15 @@ def timed_generate(llm, prompts: list[list[int]], max_tokens: int, seed: int = 0
     outs = llm.generate(prompts, params, progress=False)
     sync(llm)
     seconds = time.perf_counter() - t0
-    got = {len(o.token_ids) for o in outs}
-    if got != {max_tokens}:  # ignore_eos: every request runs to max_tokens, or the timing is wrong
-        raise RuntimeError(f"timed_generate: asked for {max_tokens} tokens per request, got {sorted(got)}")
+    _check_ran_to(outs, max_tokens, "timed_generate")
     return seconds
+
+
+def _check_ran_to(outs, max_tokens: int, who: str) -> None:
+    """ignore_eos: every request runs to max_tokens, or the timing is wrong."""
+    got = {len(o.token_ids) for o in outs}
+    if got != {max_tokens}:
+        raise RuntimeError(f"{who}: asked for {max_tokens} tokens per request, got {sorted(got)}")
 
 
 def timed_decode_steps(
@@ -142,9 +147,7 @@ def timed_decode_steps(
         outs = [core.pop(r) for r in ids]
     sync(llm)
     seconds = time.perf_counter() - t0
-    got = {len(o.token_ids) for o in outs}
-    if got != {max_tokens}:
-        raise RuntimeError(f"timed_decode_steps: asked for {max_tokens} tokens per request, got {sorted(got)}")
+    _check_ran_to(outs, max_tokens, "timed_decode_steps")
     return seconds, steps
 
 
@@ -162,14 +165,12 @@ def measure_generate(llm, batch: int, context: int, extra: int = 64, seed: int =
     first = first_decode_tokens(batch, context, llm.engine.resolved_batched_tokens())
     extra = max(extra, first)
 
-    def call(i: int, max_tokens: int) -> float:  # fresh prompts each call: no cache could reuse a prefill
-        prompts = random_prompts(llm.config.vocab_size, batch, context, seed=seed + 1000 * batch + i)
-        return timed_generate(llm, prompts, max_tokens, seed=seed)
+    def prompts(i: int) -> list[list[int]]:  # fresh prompts each call: no cache could reuse a prefill
+        return random_prompts(llm.config.vocab_size, batch, context, seed=seed + 1000 * batch + i)
 
-    call(0, first)  # warm-up
-    prefill_s, first_s = call(1, 1), call(2, first)
-    prompts = random_prompts(llm.config.vocab_size, batch, context, seed=seed + 1000 * batch + 3)
-    last_s, steps = timed_decode_steps(llm, prompts, first + extra, seed=seed)
+    timed_generate(llm, prompts(0), first, seed=seed)  # warm-up
+    prefill_s, first_s = (timed_generate(llm, prompts(i), n, seed=seed) for i, n in ((1, 1), (2, first)))
+    last_s, steps = timed_decode_steps(llm, prompts(3), first + extra, seed=seed)
     return GenerateTimes(batch, context, prefill_s, first, first_s, first + extra, last_s, tuple(steps))
 
 
