@@ -60,19 +60,6 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, AttentionBatch, list[int]]:
         """-> input_ids [T], metadata, and the row in T of each chunk that samples."""
         chunks = batch.chunks
-        if ahead is not None:  # one-token decode chunks whose input ids are on the device
-            src, tokens = ahead
-            input_ids = tokens.index_select(0, torch.tensor(src, device=tokens.device)).to(self.device)
-            meta = AttentionBatch.build(
-                [c.seq.block_table for c in chunks], [c.start for c in chunks], [1] * len(chunks),
-                self.block_size, self.device,
-            )  # fmt: skip
-            return input_ids, meta, list(range(len(chunks)))
-        ids, sample_rows = [], []
-        for c in chunks:
-            ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
-            if c.samples:
-                sample_rows.append(len(ids) - 1)
         meta = AttentionBatch.build(
             [c.seq.block_table for c in chunks],
             [c.start for c in chunks],
@@ -80,6 +67,15 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
+        if ahead is not None:  # one-token decode chunks whose input ids are on the device
+            src, tokens = ahead
+            input_ids = tokens.index_select(0, torch.tensor(src, device=tokens.device)).to(self.device)
+            return input_ids, meta, list(range(len(chunks)))
+        ids, sample_rows = [], []
+        for c in chunks:
+            ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
+            if c.samples:
+                sample_rows.append(len(ids) - 1)
         return torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True), meta, sample_rows
 
     def run(self, batch: ScheduledBatch, reqs: list[SampleRequest]) -> list[tuple[int, float]]:
