@@ -7,7 +7,11 @@ heads of one kv head) of one sequence. Its keys are split into chunks of CHUNK
 keys from key 0: [0, CHUNK), [CHUNK, 2 CHUNK), ...; each chunk is walked in
 BLOCK_N blocks with a flash-style online softmax from fresh statistics (fp32),
 and the chunks' (max, sum, accumulator) are merged in chunk order. Either one
-program walks and merges every chunk of its tile, or (`split`, for calls with
+program walks every block of its tile in one loop, merging each chunk after its
+last block and starting the next from fresh statistics (one loop rather than a
+loop per chunk, so the compiler pipelines the K/V loads across chunk edges:
+13% faster at decode batch 256 and 8% in prefill on the H200, the same bits;
+docs/perf-notes.md), or (`split`, for calls with
 one tile per sequence and too few programs to fill the GPU: small decode
 batches) one program per chunk stores its statistics and `combine_kernel` merges
 them in the same order with the same operations; every launch turns off FMA
@@ -38,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 64, 4, 2
+BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 64, 4, 3  # stages: measured (3 and 4 tie; 2 is 13% slower)
 # Keys per chunk. Every path splits a row's keys into chunks [0, CHUNK), [CHUNK, 2 CHUNK), ...;
 # each chunk's online softmax starts afresh and the chunks merge in order, either in the same
 # program (prefill, the trainer, big decode batches) or in parallel programs plus a merging
@@ -46,6 +50,33 @@ BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 64, 4, 2
 CHUNK = 256
 _DTYPES = (torch.bfloat16, torch.float16)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (development only)
+
+
+@triton.jit
+def _attend_block(
+    q, k_ptr, v_ptr, block_table_ptr, b, kvh, start, end, pos, d, scale, page_size,
+    stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, m_i, l_i, acc,
+    D: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One BLOCK_N block of keys [start, start + BLOCK_N) (those < end) folded into the
+    online-softmax statistics (m_i, l_i, acc) of the tile's rows."""
+    keys = start + tl.arange(0, BLOCK_N)
+    in_ctx = keys < end
+    page = tl.load(block_table_ptr + b * stride_bt + keys // page_size, mask=in_ctx, other=0)
+    slot = (page * page_size + keys % page_size).to(tl.int64)
+    kv_mask = in_ctx[:, None] & (d[None, :] < D)
+    k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N] fp32
+    s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays at 0s
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -60,23 +91,10 @@ def _attend_chunk(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for start in range(c_start, c_end, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        in_ctx = keys < c_end
-        page = tl.load(block_table_ptr + b * stride_bt + keys // page_size, mask=in_ctx, other=0)
-        slot = (page * page_size + keys % page_size).to(tl.int64)
-        kv_mask = in_ctx[:, None] & (d[None, :] < D)
-        k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N] fp32
-        s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays at 0s
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(
+            q, k_ptr, v_ptr, block_table_ptr, b, kvh, start, c_end, pos, d, scale, page_size,
+            stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, m_i, l_i, acc, D, BLOCK_N,
+        )  # fmt: skip
     return m_i, l_i, acc
 
 
@@ -174,13 +192,19 @@ def attention_kernel(
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_run = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        for c_start in range(0, hi, CHUNK):
-            m_c, l_c, acc_c = _attend_chunk(
-                q, k_ptr, v_ptr, block_table_ptr, b, kvh, c_start, _chunk_end(c_start, hi, CHUNK), pos, d,
-                scale, page_size, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
-                D, BLOCK_M, BLOCK_D, BLOCK_N,
+        m_c = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_c = tl.zeros((BLOCK_M,), tl.float32)
+        acc_c = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        for start in range(0, hi, BLOCK_N):
+            m_c, l_c, acc_c = _attend_block(
+                q, k_ptr, v_ptr, block_table_ptr, b, kvh, start, hi, pos, d, scale, page_size,
+                stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, m_c, l_c, acc_c, D, BLOCK_N,
             )  # fmt: skip
-            m, l_run, acc = _merge(m, l_run, acc, m_c, l_c, acc_c)
+            if ((start + BLOCK_N) % CHUNK == 0) | (start + BLOCK_N >= hi):  # the chunk's last block
+                m, l_run, acc = _merge(m, l_run, acc, m_c, l_c, acc_c)
+                m_c = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+                l_c = tl.zeros((BLOCK_M,), tl.float32)
+                acc_c = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         tl.store(
             o_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
             (acc / l_run[:, None]).to(o_ptr.dtype.element_ty),
@@ -304,10 +328,12 @@ _FILL: dict[torch.device, int] = {}
 
 
 def _programs_to_fill(device: torch.device) -> int:
-    """Programs below which a one-tile call splits its keys: two per SM."""
+    """Programs below which a one-tile call splits its keys: half the SMs. Measured on the
+    H200 (Qwen3-30B-A3B heads, 1024 keys; benchmarks/attention_configs.py): the split wins at
+    batch 1 and loses from batch 32 (57 vs 94 us at 32, 59 vs 81 at 64)."""
     if device not in _FILL:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-        _FILL[device] = 2 * sms
+        _FILL[device] = max(1, sms // 2)
     return _FILL[device]
 
 
