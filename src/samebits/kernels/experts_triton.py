@@ -43,26 +43,37 @@ _DTYPES = (torch.bfloat16, torch.float16)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (development only)
 
 
-MAX_ROUTED = 4096  # pairs `route_kernel` sorts in one program (decode batches up to 512 x 8)
+MAX_ROUTED = 4096  # pairs `route_kernel` places (decode batches up to 512 x 8); more: the torch ops
+ROUTE_PAIRS = 64  # pairs a `route_kernel` program places ([ROUTE_PAIRS, E] one-hot counts)
 
 
 @triton.jit
 def route_kernel(
-    index_ptr, order_ptr, offsets_ptr, n, N_PAD: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr
-):
-    """`experts.route` in one program: the pairs sorted by expert, stably (the key expert * N_PAD
-    + pair is unique, so a sort of keys is a stable sort of experts), and each expert's first
-    row (an exclusive cumsum of the histogram)."""
+    index_ptr, order_ptr, offsets_ptr, n,
+    N_PAD: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, PAIRS: tl.constexpr,
+):  # fmt: skip
+    """`experts.route`, counted rather than sorted: program p places pairs [p PAIRS, (p + 1)
+    PAIRS). Pair i of expert e goes to (pairs of experts < e) + (pairs of expert e before i),
+    which is where a stable sort by expert puts it. Each program histograms all n pairs (n
+    <= MAX_ROUTED, one load) for those counts; program 0 also writes the offsets."""
+    pid = tl.program_id(0)
+    first = pid * PAIRS
     pairs = tl.arange(0, N_PAD)
     valid = pairs < n
-    expert = tl.load(index_ptr + pairs, mask=valid, other=E_PAD).to(tl.int32)  # past n: after every expert
-    keys = tl.sort(expert * N_PAD + pairs)
-    tl.store(order_ptr + pairs, keys % N_PAD, mask=valid)
+    expert = tl.load(index_ptr + pairs, mask=valid, other=0).to(tl.int32)
     counts = tl.histogram(expert, E_PAD, mask=valid)
     ends = tl.cumsum(counts, 0)
+    base = ends - counts + tl.histogram(expert, E_PAD, mask=valid & (pairs < first))  # [E_PAD]
+    mine = first + tl.arange(0, PAIRS)
+    in_chunk = mine < n
+    e_mine = tl.load(index_ptr + mine, mask=in_chunk, other=0).to(tl.int32)
     bins = tl.arange(0, E_PAD)
-    tl.store(offsets_ptr + 1 + bins, ends, mask=bins < E)
-    tl.store(offsets_ptr + bins, 0, mask=bins == 0)
+    onehot = ((e_mine[:, None] == bins[None, :]) & in_chunk[:, None]).to(tl.int32)  # [PAIRS, E_PAD]
+    rank = tl.cumsum(onehot, 0) - onehot  # the chunk's earlier pairs of the same expert
+    tl.store(order_ptr + tl.sum(onehot * (base[None, :] + rank), 1), mine, mask=in_chunk)
+    if pid == 0:
+        tl.store(offsets_ptr + 1 + bins, ends, mask=bins < E)
+        tl.store(offsets_ptr + bins, 0, mask=bins == 0)
 
 
 @triton.jit
@@ -254,17 +265,18 @@ SLOT_BLOCK_H = 512
 
 
 def _route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`experts.route` (the same order and offsets): one launch up to MAX_ROUTED pairs, else
-    the torch ops."""
+    """`experts.route` (the same order and offsets): one launch of n / ROUTE_PAIRS programs up
+    to MAX_ROUTED pairs, else the torch ops."""
     n = top_k_index.numel()
     if n > MAX_ROUTED:
         return route(top_k_index, num_experts)
     flat = top_k_index.reshape(-1)
     order = torch.empty(n, dtype=torch.int32, device=flat.device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=flat.device)
-    route_kernel[(1,)](
+    route_kernel[(triton.cdiv(n, ROUTE_PAIRS),)](
         flat, order, offsets, n,
-        N_PAD=triton.next_power_of_2(n), E=num_experts, E_PAD=triton.next_power_of_2(num_experts), num_warps=8,
+        N_PAD=triton.next_power_of_2(n), E=num_experts, E_PAD=triton.next_power_of_2(num_experts),
+        PAIRS=ROUTE_PAIRS, num_warps=4,
     )  # fmt: skip
     return order, offsets
 
