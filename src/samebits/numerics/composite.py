@@ -61,3 +61,13 @@ def sample_plain(
     exp (`kernels.sample.race`) -> (tokens [N], log-probs [N])."""
     lps = reported_logprobs(logits, temps, scale)
     return race(lps, lps.exp(), logits.float(), keys, random_row)
+
+
+def router(router_logits: Tensor, top_k: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor]:
+    """transformers' MoE router after its linear, op by op: fp32 softmax, top-k, fp32 renorm,
+    cast back (each op the active numerics' own)."""
+    probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
+    top_value, top_index = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        top_value /= top_value.sum(dim=-1, keepdim=True)
+    return top_value.to(router_logits.dtype), top_index

@@ -148,11 +148,12 @@ def router(router_logits: Tensor, top_k: int, norm_topk_prob: bool) -> tuple[Ten
 
     router_logits [T, E] -> (weights [T, top_k] in the logits dtype, indices [T, top_k]).
     """
-    probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
-    top_value, top_index = torch.topk(probs, top_k, dim=-1)
-    if norm_topk_prob:
-        top_value /= top_value.sum(dim=-1, keepdim=True)
-    return top_value.to(router_logits.dtype), top_index
+    return pick("router", "cpu")(router_logits, top_k, norm_topk_prob)
+
+
+@router.register_kernel("cuda")
+def _(router_logits, top_k, norm_topk_prob):
+    return pick("router", "cuda")(router_logits, top_k, norm_topk_prob)
 
 
 @router.register_fake

@@ -227,6 +227,32 @@ def _sample_fast_cuda(logits, temps, keys, random_row):
     return composite.sample_plain(logits, temps, keys, random_row, _multiply_by_reciprocals)
 
 
+_FUSED_ROUTER = _lazy("samebits.kernels.router_triton", "router")
+
+
+def _fused_router_ok(router_logits, top_k) -> bool:
+    if not triton_available():
+        return False
+    from samebits.kernels.router_triton import supported
+
+    return supported(router_logits, top_k)
+
+
+# The fused router gives the composite's bits inside batch_invariant() (its softmax and renorm
+# sums are the fixed tree there; kernels/router_triton.py); outside it the composite runs
+# aten's stock softmax and sum, so the exact profile keeps the composite there.
+def _router_exact_cuda(router_logits, top_k, norm_topk_prob):
+    if scope.invariant_depth() and _fused_router_ok(router_logits, top_k):
+        return _FUSED_ROUTER(router_logits, top_k, norm_topk_prob)
+    return composite.router(router_logits, top_k, norm_topk_prob)
+
+
+def _router_fast_cuda(router_logits, top_k, norm_topk_prob):
+    if _fused_router_ok(router_logits, top_k):
+        return _FUSED_ROUTER(router_logits, top_k, norm_topk_prob)
+    return composite.router(router_logits, top_k, norm_topk_prob)
+
+
 # -- the table ----------------------------------------------------------------------------------
 
 TABLE: dict[str, dict[str, dict[str, Callable]]] = {
@@ -244,6 +270,12 @@ TABLE: dict[str, dict[str, dict[str, Callable]]] = {
     "projections": {
         "cpu": {ANY: _projections_separate},
         "cuda": {"exact": _projections_exact_cuda, "fast": _projections_one_gemm},
+    },
+    # the MoE router after its linear (softmax, top-k, renorm, cast): on CUDA two launches
+    # around torch.topk
+    "router": {
+        "cpu": {ANY: composite.router},
+        "cuda": {"exact": _router_exact_cuda, "fast": _router_fast_cuda},
     },
     # MoE experts: samebits' batch-invariant kernels (exact) or the stock twins (fast)
     "experts": {

@@ -1,0 +1,74 @@
+"""CUDA: the fused router (`kernels/router_triton.py`: softmax in one launch, torch.topk, the
+renorm and cast in one) gives the bits of transformers' `Qwen3MoeTopKRouter` inside
+batch_invariant(), where each of its ops is its own launch: the trainer's side. At the real
+Qwen3-30B-A3B router shape (128 experts, top-8, hidden 2048), with tied logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig
+from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
+
+from samebits.kernels import router_triton
+from samebits.numerics import composite, ops
+from samebits.numerics.batch_invariant import batch_invariant
+
+pytestmark = pytest.mark.gpu
+
+E, K, H = 128, 8, 2048
+
+
+def _router(norm_topk_prob: bool) -> hf.Qwen3MoeTopKRouter:
+    cfg = Qwen3MoeConfig(
+        hidden_size=H, num_experts=E, num_experts_per_tok=K, norm_topk_prob=norm_topk_prob, num_hidden_layers=1
+    )
+    router = hf.Qwen3MoeTopKRouter(cfg).to("cuda", torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(E, H, device="cuda", generator=g) * H**-0.5 * 3)
+        router.weight[9] = router.weight[5]  # experts 5 and 9 tie on every token
+    return router
+
+
+@pytest.fixture(autouse=True)
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize("t", [1, 7, 64, 300, 4096])
+def test_fused_router_gives_the_transformers_router_bits(t, norm_topk_prob, monkeypatch):
+    router = _router(norm_topk_prob)
+    g = torch.Generator(device="cuda").manual_seed(t)
+    x = torch.randn(t, H, device="cuda", generator=g).bfloat16()
+    calls = []
+    fused = router_triton.router
+    monkeypatch.setattr(router_triton, "router", lambda *a: calls.append(1) or fused(*a))
+    with torch.no_grad(), batch_invariant():
+        _, want_weights, want_index = router(x)
+        logits = torch.nn.functional.linear(x, router.weight)
+        weights, index = ops.router(logits, K, norm_topk_prob)
+    assert calls, "the exact profile's router on CUDA should take the fused kernels"
+    assert torch.equal(index, want_index)
+    assert weights.dtype == want_weights.dtype and torch.equal(weights, want_weights)
+    with batch_invariant():
+        want_probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
+    assert torch.equal(router_triton.softmax(logits), want_probs)
+    if t == 4096:
+        # negative control: aten's stock softmax (its own sum order) gives other fp32
+        # probabilities, and the comparison sees it
+        stock = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
+        assert not torch.equal(router_triton.softmax(logits), stock)
+
+
+def test_unsupported_shapes_take_the_composite():
+    logits = torch.randn(4, 60, device="cuda")  # 60 experts: not a power of two
+    assert not router_triton.supported(logits, 4)
+    assert not router_triton.supported(torch.randn(4, 128, device="cuda"), 6)
+    assert router_triton.supported(torch.randn(4, 128, device="cuda").bfloat16(), 8)
+    with batch_invariant():
+        w, i = ops.router(logits, 4, True)
+        w2, i2 = composite.router(logits, 4, True)
+    assert torch.equal(w, w2) and torch.equal(i, i2)
