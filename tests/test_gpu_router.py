@@ -10,7 +10,6 @@ import torch
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
 
-from samebits.kernels import router_triton
 from samebits.numerics import composite, ops
 from samebits.numerics.batch_invariant import batch_invariant
 
@@ -40,6 +39,8 @@ def _cuda():
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 @pytest.mark.parametrize("t", [1, 7, 64, 300, 4096])
 def test_fused_router_gives_the_transformers_router_bits(t, norm_topk_prob, monkeypatch):
+    from samebits.kernels import router_triton
+
     router = _router(norm_topk_prob)
     g = torch.Generator(device="cuda").manual_seed(t)
     x = torch.randn(t, H, device="cuda", generator=g).bfloat16()
@@ -64,6 +65,8 @@ def test_fused_router_gives_the_transformers_router_bits(t, norm_topk_prob, monk
 
 
 def test_unsupported_shapes_take_the_composite():
+    from samebits.kernels import router_triton
+
     logits = torch.randn(4, 60, device="cuda")  # 60 experts: not a power of two
     assert not router_triton.supported(logits, 4)
     assert not router_triton.supported(torch.randn(4, 128, device="cuda"), 6)

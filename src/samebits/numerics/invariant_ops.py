@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from samebits.kernels.softmax import log_softmax_ref, softmax_ref
+from samebits.kernels.softmax import softmax_ref
 from samebits.numerics import registry
 
 _LOW = (torch.bfloat16, torch.float16)
@@ -47,6 +47,7 @@ class Covered:
         self.matmul = registry.pick("matmul", device, registry.ANY)
         self.bmm_kernel = registry.pick("bmm", device, registry.ANY)
         self.tree = registry.pick("tree_sum", device, registry.ANY)
+        self.log_softmax = registry.pick("log_softmax", device, registry.ANY)
         self.device = device
 
     # -- GEMMs ----------------------------------------------------------------------------------
@@ -102,7 +103,7 @@ class Covered:
         return (_unflat(self._tree(xf, dims), x, dims, keepdim) / n).to(acc.dtype)
 
     def _log_softmax(self, x, dim, half_to_float):
-        return log_softmax_ref(x, dim, torch.float32 if half_to_float else x.dtype, self.tree)
+        return self.log_softmax(x, dim, torch.float32 if half_to_float else x.dtype, self.tree)
 
     def _softmax(self, x, dim, half_to_float):
         return softmax_ref(x, dim, torch.float32 if half_to_float else x.dtype, self.tree)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from samebits.kernels.experts import experts_grouped_mm, experts_ref, experts_stock_ref
 from samebits.kernels.matmul import adjacent_rows, bmm_ref, matmul_ref
 from samebits.kernels.reduce import tree_sum_ref
+from samebits.kernels.softmax import log_softmax_ref
 from samebits.numerics import composite, scope
 
 ANY = "*"
@@ -227,6 +228,22 @@ def _sample_fast_cuda(logits, temps, keys, random_row):
     return composite.sample_plain(logits, temps, keys, random_row, _multiply_by_reciprocals)
 
 
+_FUSED_LOG_SOFTMAX = _lazy("samebits.kernels.sample_triton", "log_softmax")
+_LOG_SOFTMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _log_softmax_cuda(x, dim, out_dtype, tree):
+    """batch_invariant()'s log_softmax on CUDA: over the last dim of a float32/bf16/fp16 x with
+    rows of 4097..524288 elements, the fused kernels (`sample_triton.log_softmax`: the
+    sampler's log-prob for every id, the same roundings as the composite, no [N, V]
+    temporaries); else the composite with the device's tree."""
+    if x.dim() >= 1 and dim % x.dim() == x.dim() - 1 and x.dtype in _LOG_SOFTMAX_DTYPES:
+        rows = x.reshape(-1, x.shape[-1])
+        if _fused_sample_ok(rows):
+            return _FUSED_LOG_SOFTMAX(rows, out_dtype).view(x.shape)
+    return log_softmax_ref(x, dim, out_dtype, tree)
+
+
 _FUSED_ROUTER = _lazy("samebits.kernels.router_triton", "router")
 
 
@@ -271,6 +288,9 @@ TABLE: dict[str, dict[str, dict[str, Callable]]] = {
         "cpu": {ANY: _projections_separate},
         "cuda": {"exact": _projections_exact_cuda, "fast": _projections_one_gemm},
     },
+    # batch_invariant()'s log_softmax (x, dim, out dtype, the device's tree sum): on CUDA the
+    # sampler's kernels over the vocabulary
+    "log_softmax": {"cpu": {ANY: log_softmax_ref}, "cuda": {ANY: _log_softmax_cuda}},
     # the MoE router after its linear (softmax, top-k, renorm, cast): on CUDA two launches
     # around torch.topk
     "router": {
