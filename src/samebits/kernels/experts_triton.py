@@ -44,7 +44,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpret
 
 
 MAX_ROUTED = 4096  # pairs `route_kernel` places (decode batches up to 512 x 8); more: the torch ops
-ROUTE_PAIRS = 64  # pairs a `route_kernel` program places ([ROUTE_PAIRS, E] one-hot counts)
+ROUTE_PAIRS = 64  # most pairs a `route_kernel` program places ([pairs, E] one-hot counts)
 
 
 @triton.jit
@@ -273,10 +273,11 @@ def _route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
     flat = top_k_index.reshape(-1)
     order = torch.empty(n, dtype=torch.int32, device=flat.device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=flat.device)
-    route_kernel[(triton.cdiv(n, ROUTE_PAIRS),)](
+    n_pad = triton.next_power_of_2(n)
+    pairs = min(ROUTE_PAIRS, n_pad)
+    route_kernel[(triton.cdiv(n, pairs),)](
         flat, order, offsets, n,
-        N_PAD=triton.next_power_of_2(n), E=num_experts, E_PAD=triton.next_power_of_2(num_experts),
-        PAIRS=ROUTE_PAIRS, num_warps=4,
+        N_PAD=n_pad, E=num_experts, E_PAD=triton.next_power_of_2(num_experts), PAIRS=pairs, num_warps=4,
     )  # fmt: skip
     return order, offsets
 
