@@ -35,6 +35,9 @@ The same roundings in the same order as the torch path:
 Argmaxes keep the lowest index among equal values (torch.argmax's documented rule) and take
 a NaN as the largest value, as torch.argmax and amax do: a row with a NaN logit gets NaN
 log-probs and its first NaN token, as the op-by-op path gives it.
+
+`log_softmax` runs launches 1-3 at T = 1 and writes every id's log-prob: batch_invariant()'s
+`_log_softmax` over a vocabulary on CUDA (the trainer's line), with the composite's bits.
 """
 
 from __future__ import annotations
