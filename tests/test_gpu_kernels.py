@@ -383,6 +383,22 @@ def test_one_launch_qk_norm_rope_and_cache_writes_give_the_op_by_op_bits(t):
     assert not torch.equal(contracted, want)
 
 
+@pytest.mark.parametrize("e,k,t", [(60, 6, 100), (60, 6, 682), (128, 8, 511), (8, 2, 3)])
+def test_routing_kernel_gives_the_stable_sort_for_any_expert_count(e, k, t):
+    """`route_kernel` places pairs by counting, n / ROUTE_PAIRS programs: other expert counts
+    and top-k than Qwen3's, a partial last program (600, 4092 and 4088 pairs), skewed routing."""
+    from samebits.kernels import experts_triton as et
+    from samebits.kernels.experts import route
+
+    g = torch.Generator().manual_seed(e + t)
+    index = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).cuda()
+    index[: t // 3, 0] = e - 1  # the last expert holds many pairs
+    assert index.numel() <= et.MAX_ROUTED
+    order, offsets = et._route(index, e)
+    want_order, want_offsets = route(index, e)
+    assert torch.equal(order, want_order) and torch.equal(offsets, want_offsets)
+
+
 @pytest.mark.parametrize("t", [1, 7, 64, 512, 600])
 def test_one_launch_routing_and_slot_sum_give_the_torch_ops_results(t):
     """`route_kernel` gives `experts.route`'s order and offsets exactly (600 x 8 pairs: past

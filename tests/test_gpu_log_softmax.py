@@ -39,7 +39,7 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     nan = a.isnan()
     if a.dtype != b.dtype or not torch.equal(nan, b.isnan()):
         return False
-    as_int = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
+    as_int = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[a.dtype]
     return torch.equal(a.view(as_int)[~nan], b.view(as_int)[~nan])
 
 
@@ -57,24 +57,34 @@ def test_the_trainer_line_takes_the_fused_kernels_with_the_composite_bits(n, mon
     logits = _logits(n, n)
     tree = registry.pick("tree_sum", "cuda", registry.ANY)
     calls = _spy(monkeypatch)
+
+    def fused(fn):  # fn() under batch_invariant(), which must take the fused kernels once
+        calls.clear()
+        with batch_invariant():
+            out = fn()
+        assert len(calls) == 1, "log_softmax over the vocabulary on CUDA should take the fused kernels"
+        return out
+
     for temp in (1.0, 0.7):
-        with batch_invariant():
-            got = torch.log_softmax(logits.float() / temp, dim=-1)
-            want = log_softmax_ref(logits.float() / temp, -1, torch.float32, tree)
-        assert calls, "log_softmax over the vocabulary on CUDA should take the fused kernels"
+        got = fused(lambda t=temp: torch.log_softmax(logits.float() / t, dim=-1))
+        want = log_softmax_ref(logits.float() / temp, -1, torch.float32, tree)
         assert _bits_equal(got, want)
-        # a low-precision input: the composite computes in float32 and rounds once
-        with batch_invariant():
-            got16 = torch.log_softmax(logits, dim=-1)
-        want16 = log_softmax_ref(logits, -1, torch.bfloat16, tree)
-        assert got16.dtype == torch.bfloat16
-        assert _bits_equal(got16, want16)
+    # low-precision inputs: the composite computes in float32 and rounds once to the out dtype
+    got16 = fused(lambda: torch.log_softmax(logits, dim=-1))
+    assert got16.dtype == torch.bfloat16
+    assert _bits_equal(got16, log_softmax_ref(logits, -1, torch.bfloat16, tree))
+    half = logits.half()
+    got_h2f = fused(lambda: torch._log_softmax(half, -1, True))  # half_to_float: a float32 result
+    assert _bits_equal(got_h2f, log_softmax_ref(half, -1, torch.float32, tree))
+    # the trainer's [batch, tokens, V] logits: the rows of the last dim
+    three = logits.float()[None].expand(2, -1, -1)
+    got3 = fused(lambda: torch.log_softmax(three, dim=2))
+    assert got3.shape == three.shape
+    assert _bits_equal(got3[1], log_softmax_ref(logits.float(), -1, torch.float32, tree))
     if n == 300:
         # negative control: aten's stock log_softmax (its own sum order) gives other bits
         stock = torch.log_softmax(logits.float(), dim=-1)
-        with batch_invariant():
-            fused = torch.log_softmax(logits.float(), dim=-1)
-        assert not _bits_equal(stock, fused)
+        assert not _bits_equal(stock, fused(lambda: torch.log_softmax(logits.float(), dim=-1)))
 
 
 def test_the_gradient_is_the_composite_paths_gradient(monkeypatch):

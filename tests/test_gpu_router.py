@@ -18,11 +18,11 @@ pytestmark = pytest.mark.gpu
 E, K, H = 128, 8, 2048
 
 
-def _router(norm_topk_prob: bool) -> hf.Qwen3MoeTopKRouter:
+def _router(norm_topk_prob: bool, dtype=torch.bfloat16) -> hf.Qwen3MoeTopKRouter:
     cfg = Qwen3MoeConfig(
         hidden_size=H, num_experts=E, num_experts_per_tok=K, norm_topk_prob=norm_topk_prob, num_hidden_layers=1
     )
-    router = hf.Qwen3MoeTopKRouter(cfg).to("cuda", torch.bfloat16)
+    router = hf.Qwen3MoeTopKRouter(cfg).to("cuda", dtype)
     g = torch.Generator(device="cuda").manual_seed(7)
     with torch.no_grad():
         router.weight.copy_(torch.randn(E, H, device="cuda", generator=g) * H**-0.5 * 3)
@@ -62,6 +62,25 @@ def test_fused_router_gives_the_transformers_router_bits(t, norm_topk_prob, monk
         # probabilities, and the comparison sees it
         stock = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
         assert not torch.equal(router_triton.softmax(logits), stock)
+
+
+def test_fp32_router_weights_and_the_renorm_control():
+    """fp32 logits give fp32 weights, so the renorm's own roundings show: equal to
+    transformers' router, and a renorm summed left to right (another order) differs."""
+    from samebits.kernels import router_triton
+
+    router = _router(True, torch.float32)
+    x = torch.randn(4096, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+    with torch.no_grad(), batch_invariant():
+        _, want_weights, want_index = router(x)
+        logits = torch.nn.functional.linear(x, router.weight)
+        weights, index = router_triton.router(logits, K, True)
+        top = torch.topk(router_triton.softmax(logits), K, dim=-1).values
+    assert torch.equal(index, want_index) and torch.equal(weights, want_weights)
+    left_to_right = top[:, 0]
+    for j in range(1, K):
+        left_to_right = left_to_right + top[:, j]
+    assert not torch.equal(top / left_to_right[:, None], weights)
 
 
 def test_unsupported_shapes_take_the_composite():

@@ -12,7 +12,7 @@ last block and starting the next from fresh statistics (one loop rather than a
 loop per chunk, so the compiler pipelines the K/V loads across chunk edges:
 13% faster at decode batch 256 and 8% in prefill on the H200, the same bits;
 docs/perf-notes.md), or (`split`, for calls with
-one tile per sequence and too few programs to fill the GPU: small decode
+one tile per sequence and fewer programs than half the SMs: small decode
 batches) one program per chunk stores its statistics and `combine_kernel` merges
 them in the same order with the same operations; every launch turns off FMA
 contraction, so both give the same bits. Chunks and blocks start at key 0
@@ -270,7 +270,7 @@ def attention(
     this call's tokens must already be in the cache. Rows of T that belong to no
     sequence are left untouched in `out`. `split`: compute the chunks in parallel programs
     and merge them in a second launch (the same bits; None: when the call has one tile per
-    sequence and too few programs to fill the GPU). `block_n` and `chunk` exist for
+    sequence and fewer programs (sequences x kv heads) than half the SMs). `block_n` and `chunk` exist for
     experiments and negative controls: the engine and the trainer always use the defaults.
     """
     check_attention_inputs(q, k_cache, v_cache)
@@ -328,11 +328,12 @@ _FILL: dict[torch.device, int] = {}
 
 
 def _programs_to_fill(device: torch.device) -> int:
-    """Programs below which a one-tile call splits its keys: half the SMs. Measured on the
-    H200 (Qwen3-30B-A3B heads, 1024 keys; benchmarks/attention_configs.py): the split wins at
-    batch 1 and loses from batch 32 (57 vs 94 us at 32, 59 vs 81 at 64)."""
+    """Programs (sequences x kv heads) below which a one-tile call splits its keys: half the
+    SMs. Measured on the H200 with Qwen3-30B-A3B's 4 kv heads and 1024 keys
+    (benchmarks/attention_configs.py): the split wins at batch 1 and loses from batch 32, 128
+    programs (57 vs 94 us at 32, 59 vs 81 at 64). Off CUDA (Triton's interpreter) 4."""
     if device not in _FILL:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
         _FILL[device] = max(1, sms // 2)
     return _FILL[device]
 

@@ -272,6 +272,8 @@ def _route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
         return route(top_k_index, num_experts)
     flat = top_k_index.reshape(-1)
     order = torch.empty(n, dtype=torch.int32, device=flat.device)
+    if n == 0:
+        return order, torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=flat.device)
     n_pad = triton.next_power_of_2(n)
     pairs = min(ROUTE_PAIRS, n_pad)

@@ -17,7 +17,8 @@ called as it was), so entering per step costs a counter, and other threads are u
 | mm, addmm (alpha=beta=1), bmm               | row-invariant GEMM (CPU `matmul_ref`, CUDA Triton)  |
 | mv, dot                                     | the same GEMM with N=1                              |
 | _softmax, _log_softmax                      | max, exp, tree sum over the dim (fp32)              |
-| _log_softmax, CUDA, last dim of 4097-524288 | the same bits in 4 fused launches (`sample_triton`) |
+| _log_softmax on CUDA: last dim 4097-524288  | the same bits in 4 fused launches (`sample_triton`; |
+|   of a fp32, bf16 or fp16 tensor            |   fp32 math, one rounding to the out dtype)         |
 | sum.dim_IntList, mean.dim (any dims, all)   | tree sum over the reduced dims flattened (fp32)     |
 | logsumexp                                   | max, exp, tree sum, log (aten's infinite-max rule)  |
 | var, std, var_mean, std_mean (.correction)  | two passes: tree mean, tree sum of squares          |

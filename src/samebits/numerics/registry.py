@@ -237,7 +237,7 @@ def _log_softmax_cuda(x, dim, out_dtype, tree):
     rows of 4097..524288 elements, the fused kernels (`sample_triton.log_softmax`: the
     sampler's log-prob for every id, the same roundings as the composite, no [N, V]
     temporaries); else the composite with the device's tree."""
-    if x.dim() >= 1 and dim % x.dim() == x.dim() - 1 and x.dtype in _LOG_SOFTMAX_DTYPES:
+    if x.dim() >= 1 and dim in (-1, x.dim() - 1) and x.dtype in _LOG_SOFTMAX_DTYPES:  # else aten's checks
         rows = x.reshape(-1, x.shape[-1])
         if _fused_sample_ok(rows):
             return _FUSED_LOG_SOFTMAX(rows, out_dtype).view(x.shape)
