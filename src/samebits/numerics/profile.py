@@ -5,10 +5,10 @@
   the trainer's transformers model recomputes (with samebits' experts and
   attention registered).
 - `FAST`: the same model with the stock fastest kernels regardless of HF bits:
-  cuBLAS GEMMs, `torch._grouped_mm` experts, no fixed-order reductions, the
-  fused norm and rotary kernels. Its log-probs depend on the batch. It is the
-  baseline that prices exactness, and a mode for evaluation rollouts where
-  nobody trains on the log-probs.
+  cuBLAS GEMMs, `torch._grouped_mm` experts, stock reductions, and the fused
+  norm, rotary, router and sampler kernels (fast wherever they run). Its
+  log-probs depend on the batch. It is the baseline that prices exactness, and a
+  mode for evaluation rollouts where nobody trains on the log-probs.
 
 A profile is not stored in the model: `profile.context()` (entered by the runner
 around each step and by `LLM.generate` around each call) selects, for the calling
