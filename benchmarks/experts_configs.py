@@ -9,7 +9,10 @@ each T against the memory floor: the weights of the experts the batch touches, r
 the copy bandwidth measured in the same run. A configuration whose bits equal the default's
 everywhere may enter the tile table (`kernels/experts_tiles.py`). The "auto" row is the
 table's choice; the "BLOCK_K 32" row is for information only (samebits never changes BLOCK_K;
-on the H200 the MMAs add K in 16-wide steps in order, so it may well keep the bits too).
+on the H200 the MMAs add K in 16-wide steps in order, so it may well keep the bits too), and so
+is the last row, torch's stock grouped GEMM (`experts_grouped_mm`, other bits by design: the
+fast profile runs it from `numerics.registry.FAST_GROUPED_MM_FROM_PAIRS` routed pairs, where it
+beats the Triton kernel).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from samebits.kernels.experts import experts_grouped_mm
 from samebits.kernels.experts_tiles import SMALL_TILES
 from samebits.kernels.experts_triton import experts_forward
 
@@ -75,6 +79,12 @@ def main() -> None:
             us = triton.testing.do_bench(lambda t=t, kw=kw: run(t, kw)) * 1e3
             cells.append(f"{'same' if same else 'DIFF'} {us:.0f} ({us / floors[t]:.1f}x)")
         table.add_row(label, *cells)
+    cells = []  # the stock grouped GEMM (other bits by design): where the fast profile switches to it
+    for t in TOKENS:
+        args = (x[:t], index[:t], weights[:t], gate_up, down)
+        us = triton.testing.do_bench(lambda args=args: experts_grouped_mm(*args)) * 1e3
+        cells.append(f"{us:.0f} ({us / floors[t]:.1f}x)")
+    table.add_row("torch._grouped_mm (stock, info)", *cells)
     Console(width=240).print(table)
 
 

@@ -243,9 +243,11 @@ def test_trainer_trains_through_cuda_kernels(tmp_path):
     assert any(g.abs().sum() > 0 for n, g in grads.items() if "experts" in n)
 
 
-def test_cuda_graph_decode_equals_eager(tmp_path):
+def test_cuda_graph_decode_equals_eager(tmp_path, monkeypatch):
     from samebits import LLM, SamplingParams
+    from samebits.kernels.experts import experts_grouped_mm
     from samebits.model.tiny import build_tiny_checkpoint
+    from samebits.numerics import registry
     from samebits.verify import make_prompts
 
     path = build_tiny_checkpoint(tmp_path / "t", seed=2)
@@ -261,7 +263,9 @@ def test_cuda_graph_decode_equals_eager(tmp_path):
         assert (llm.runner.graphs is not None) == graphs and (not graphs or llm.runner.graphs.graphs)
     for a, b in zip(runs[True], runs[False], strict=True):
         assert a.token_ids == b.token_ids and torch.equal(a.logprobs, b.logprobs)
-    # negative control: the same comparison sees the fast profile's other numerics
+    # negative control: the same comparison sees other experts numerics (the stock grouped_mm,
+    # forced at every size: the fast profile itself runs the Triton experts at these sizes)
+    monkeypatch.setitem(registry.TABLE["experts"]["cuda"], "fast", experts_grouped_mm)
     fast = LLM(path, device="cuda", max_num_seqs=8, max_model_len=96, numerics="fast").generate(prompts, params)
     assert any(not torch.equal(a.logprobs, b.logprobs) for a, b in zip(fast, runs[True], strict=True))
 

@@ -208,7 +208,7 @@ def _add_rl(sub) -> None:
         "--engine-numerics",
         default="exact",
         choices=["exact", "fast"],
-        help="the engine's numerics profile; fast (cuBLAS, grouped_mm) is part of the stock baseline",
+        help="the engine's numerics profile; fast (cuBLAS, stock reductions) is part of the stock baseline",
     )
     r.add_argument(
         "--trainer-attention",

@@ -4,9 +4,10 @@
   samebits' batch-invariant experts and attention. Log-probs are bitwise what
   the trainer's transformers model recomputes (with samebits' experts and
   attention registered).
-- `FAST`: the same model with the stock fastest kernels regardless of HF bits:
-  cuBLAS GEMMs, `torch._grouped_mm` experts, stock reductions, and the fused
-  norm, rotary, router and sampler kernels (fast wherever they run). Its
+- `FAST`: the same model with the fastest kernels regardless of HF bits:
+  cuBLAS GEMMs, stock reductions, the experts on whichever of samebits' Triton
+  kernel (decode) and `torch._grouped_mm` (prefill) is faster at the size, and
+  the fused norm, rotary, router and sampler kernels (fast wherever they run). Its
   log-probs depend on the batch. It is the baseline that prices exactness, and a
   mode for evaluation rollouts where nobody trains on the log-probs.
 

@@ -6,7 +6,7 @@ prompts, seeds and settings:
 - `on-policy`: the engine's exact profile; the trainer's transformers model with samebits
   experts and attention; recompute and update forwards under `batch_invariant()`.
 - `shared`: the on-policy arm with the engine on the trainer's own tensors (no sync copy).
-- `stock`: the engine's fast profile (cuBLAS, grouped_mm); the trainer with transformers'
+- `stock`: the engine's fast profile (cuBLAS, stock reductions); the trainer with transformers'
   `grouped_mm` experts and `sdpa` attention; recompute and update forwards on stock kernels.
   This is the loop a normal engine + trainer would run: its mismatch counts are nonzero.
 """
