@@ -6,7 +6,8 @@ For each arm (samebits experts + attention under `batch_invariant()`; stock `gro
 `sdpa` on cuBLAS), on one packed micro-batch of `--seqs` x `--tokens` tokens with the experts
 frozen (as in the RL runs): the wall time of a no-grad forward (the recompute) and of a
 forward+backward (the update), the GPU-busy time inside them (sum of kernel times from the
-profiler: wall >> busy means the host is the bound), and the top ops by GPU time and by host time.
+profiler: wall >> busy means the host is the bound), and the top ops by GPU time, by host self time and by host time including callees (which
+autograd nodes and modules the host time goes to).
 """
 
 from __future__ import annotations
@@ -53,9 +54,8 @@ def measure(model, data, exact: bool, backward: bool, reps: int, top: int) -> tu
     events = prof.key_averages()
     # kernel (device-side) events only, as the table's "Self CUDA time total" counts them
     busy = sum(e.self_device_time_total for e in events if e.device_type != DeviceType.CPU) / 1000
-    tables = [
-        events.table(sort_by=key, row_limit=top) for key in ("self_device_time_total", "self_cpu_time_total")
-    ]
+    keys = ("self_device_time_total", "self_cpu_time_total", "cpu_time_total")  # the last: host, inclusive
+    tables = [events.table(sort_by=key, row_limit=top) for key in keys]
     return wall, busy, "\n".join(tables)
 
 
