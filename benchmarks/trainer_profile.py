@@ -6,8 +6,10 @@ For each arm (samebits experts + attention under `batch_invariant()`; stock `gro
 `sdpa` on cuBLAS), on one packed micro-batch of `--seqs` x `--tokens` tokens with the experts
 frozen (as in the RL runs): the wall time of a no-grad forward (the recompute) and of a
 forward+backward (the update), the GPU-busy time inside them (sum of kernel times from the
-profiler: wall >> busy means the host is the bound), and the top ops by GPU time, by host self time and by host time including callees (which
-autograd nodes and modules the host time goes to).
+profiler: wall >> busy means the host is the bound), and the top ops by GPU time, by host
+self time and by host time including callees (which autograd nodes and modules the host
+time goes to). Each arm in its own process (`--arms`): `batch_invariant()`'s overrides,
+once registered, sit on every later stock call.
 """
 
 from __future__ import annotations
