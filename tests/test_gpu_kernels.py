@@ -166,9 +166,19 @@ def test_triton_experts_backward_matches_float64():
         assert rel < 2e-2, rel
 
 
-def test_packed_attention_backward_matches_float64():
-    """The backward (sdpa per sequence, K/V heads repeated) against float64 autograd."""
+@pytest.mark.parametrize("path", ["flash", "sdpa"])
+def test_packed_attention_backward_matches_float64(path, monkeypatch):
+    """The backward against float64 autograd: flash's variable-length kernels for every sequence
+    at once (bf16, the default; the per-sequence fallback made to raise, so it is not what
+    ran), and the fallback, sdpa per sequence with K/V heads repeated."""
+    from samebits.kernels import attention as ka
+    from samebits.model import attention as ma
     from samebits.model.attention import AttentionBatch, packed_attention
+
+    if path == "flash":
+        monkeypatch.setattr(ka, "packed_attention_backward_sdpa", _raise_fallback)
+    else:
+        monkeypatch.setitem(ma._BACKWARD, "cuda", lambda *a: ka.packed_attention_backward_sdpa(*a[:-1]))
 
     bounds, (h, kvh, d) = [(0, 70), (70, 71), (71, 200)], (32, 4, 128)
     q, k, v = (torch.randn(200, n, d, device="cuda", generator=_g(i)) for i, n in enumerate((h, kvh, kvh)))
@@ -191,6 +201,10 @@ def test_packed_attention_backward_matches_float64():
     for a, b in zip(got, want, strict=True):
         rel = ((a.double() - b).norm() / b.norm()).item()
         assert rel < 2e-2, rel
+
+
+def _raise_fallback(*args):
+    raise AssertionError("the per-sequence sdpa fallback ran")
 
 
 @pytest.mark.parametrize(

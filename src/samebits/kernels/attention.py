@@ -151,6 +151,41 @@ def packed_attention_backward_ref(
     return grads
 
 
+_FLASH_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def packed_attention_backward_flash(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_start_loc: list[int],
+    scale: float,
+    cu_seqlens: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """`packed_attention_backward_ref`'s contract in two launches for every sequence at once:
+    flash attention's variable-length forward (its output and log-sum-exp, which the backward
+    needs and samebits' forward does not keep) and backward, over the packed rows with their
+    K/V heads as they are (flash takes grouped heads). `cu_seqlens`: `query_start_loc` as int32
+    on the device (the batch has it), so nothing is copied to the device here. bf16/fp16,
+    head_dim a multiple of 8 up to 256, every row in a sequence; anything else (and a machine
+    whose torch has no flash kernels) takes `packed_attention_backward_sdpa`: one sdpa per
+    sequence, about 20 host launches each, which bounded the trainer's update."""
+    d = q.shape[-1]
+    fits = q.dtype in _FLASH_DTYPES and d % 8 == 0 and d <= 256 and query_start_loc[-1] == q.shape[0]
+    if not fits or query_start_loc[0] != 0:
+        return packed_attention_backward_sdpa(grad_out, q, k, v, query_start_loc, scale)
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor(query_start_loc, dtype=torch.int32, device=q.device)
+    longest = max(e - s for s, e in _segments(query_start_loc))
+    q, k, v, grad_out = (t.contiguous() for t in (q, k, v, grad_out))
+    aten = torch.ops.aten
+    lens = (cu_seqlens, cu_seqlens, longest, longest, 0.0, True)  # q and k bounds, longest; no dropout; causal
+    out, lse, seed, offset, _ = aten._flash_attention_forward(q, k, v, *lens, False, scale=scale)
+    dq, dk, dv = aten._flash_attention_backward(grad_out, q, k, v, out, lse, *lens, seed, offset, scale=scale)
+    return [dq, dk, dv]
+
+
 def packed_attention_backward_sdpa(
     grad_out: torch.Tensor,
     q: torch.Tensor,

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from samebits.kernels.attention import (
+    packed_attention_backward_flash,
     packed_attention_backward_ref,
-    packed_attention_backward_sdpa,
     paged_attention_ref,
 )
 
@@ -154,9 +154,13 @@ def _(
     return torch.empty_like(q)
 
 
-# The backward per device type. Not an op: each runs autograd (or sdpa's backward) inside, which
+def _backward_cpu(grad_out, q, k, v, bounds, scale, cu_seqlens):
+    return packed_attention_backward_ref(grad_out, q, k, v, bounds, scale)  # per sequence: host bounds
+
+
+# The backward per device type. Not an op: each runs autograd (or flash's backward) inside, which
 # an op's kernel cannot (it runs below the autograd dispatch). Gradients carry no bitwise contract.
-_BACKWARD = {"cpu": packed_attention_backward_ref, "cuda": packed_attention_backward_sdpa}
+_BACKWARD = {"cpu": _backward_cpu, "cuda": packed_attention_backward_flash}
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, batch: AttentionBatch, scale: float) -> Tensor:
@@ -192,19 +196,20 @@ def paged_attention(
 
 
 class _PackedAttention(torch.autograd.Function):
-    """Forward: the op. Backward: per sequence, the device's `_BACKWARD` (bounds on the host)."""
+    """Forward: the op. Backward: the device's `_BACKWARD` (CUDA: every sequence in two flash
+    launches; CPU: per sequence, bounds on the host)."""
 
     @staticmethod
     def forward(ctx, q, k, v, batch, scale):
-        ctx.save_for_backward(q, k, v)
+        ctx.save_for_backward(q, k, v, batch.query_start_loc)
         ctx.bounds, ctx.scale = batch.query_start_loc_cpu.tolist(), scale
         return attention(q, k, v, batch, scale)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v = ctx.saved_tensors
-        backward = _BACKWARD.get(q.device.type, packed_attention_backward_ref)
-        dq, dk, dv = backward(grad_out, q, k, v, ctx.bounds, ctx.scale)
+        q, k, v, cu_seqlens = ctx.saved_tensors
+        backward = _BACKWARD.get(q.device.type, _backward_cpu)
+        dq, dk, dv = backward(grad_out, q, k, v, ctx.bounds, ctx.scale, cu_seqlens)
         return dq, dk, dv, None, None
 
 
