@@ -11,8 +11,7 @@ everywhere may enter the tile table (`kernels/experts_tiles.py`). The "auto" row
 table's choice; the "BLOCK_K 32" row is for information only (samebits never changes BLOCK_K;
 on the H200 the MMAs add K in 16-wide steps in order, so it may well keep the bits too), and so
 is the last row, torch's stock grouped GEMM (`experts_grouped_mm`, other bits by design: the
-fast profile runs it from `numerics.registry.FAST_GROUPED_MM_FROM_PAIRS` routed pairs, where it
-beats the Triton kernel).
+fast profile ran it until it measured slower than the Triton kernel at every T here).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@
   the trainer's transformers model recomputes (with samebits' experts and
   attention registered).
 - `FAST`: the same model with the fastest kernels regardless of HF bits:
-  cuBLAS GEMMs, stock reductions, the experts on whichever of samebits' Triton
-  kernel (decode) and `torch._grouped_mm` (prefill) is faster at the size, and
+  cuBLAS GEMMs, stock reductions, samebits' Triton experts (faster than
+  `torch._grouped_mm` at every size measured), and
   the fused norm, rotary, router and sampler kernels (fast wherever they run). Its
   log-probs depend on the batch. It is the baseline that prices exactness, and a
   mode for evaluation rollouts where nobody trains on the log-probs.

@@ -179,18 +179,6 @@ def _experts_triton(x, index, weights, gate_up, down):
     return _EXPERTS_TRITON(x, index, weights.contiguous(), gate_up, down)
 
 
-# The fast profile's experts: the Triton kernel where it is the faster (decode, short chunks: the
-# stock grouped_mm measured slower at every decode batch, docs/perf-notes.md "Eighth session"),
-# torch's grouped_mm from FAST_GROUPED_MM_FROM_PAIRS routed (token, slot) pairs on (prefill).
-FAST_GROUPED_MM_FROM_PAIRS = 8192
-
-
-def _experts_fast_cuda(x, index, weights, gate_up, down):
-    if index.numel() >= FAST_GROUPED_MM_FROM_PAIRS:
-        return experts_grouped_mm(x, index, weights, gate_up, down)
-    return _experts_triton(x, index, weights, gate_up, down)
-
-
 def _experts_ref_twin(x, index, weights, gate_up, down):
     """`experts_ref` through differentiable ops (`F.linear`); inside batch_invariant() its GEMMs are
     `matmul_ref`, so it recomputes `experts_ref`'s forward bits with an autograd graph."""
@@ -318,10 +306,11 @@ TABLE: dict[str, dict[str, dict[str, Callable]]] = {
         "cuda": {"exact": _router_exact_cuda, "fast": _router_fast_cuda},
     },
     # MoE experts: samebits' batch-invariant kernels (exact); the fast profile: the stock twin on
-    # the CPU, on CUDA whichever of the Triton kernel and grouped_mm is faster at the size
+    # the CPU; on CUDA the Triton kernel too, faster than torch's grouped_mm at every size
+    # measured (1..4096 tokens; docs/perf-notes.md, "Eighth session")
     "experts": {
         "cpu": {"exact": experts_ref, "fast": experts_stock_ref},
-        "cuda": {"exact": _experts_triton, "fast": _experts_fast_cuda},
+        "cuda": {"exact": _experts_triton, "fast": _experts_triton},
     },
     # what the experts' backward recomputes and differentiates (run inside batch_invariant()
     # when the forward was exact; on CUDA grouped_mm on stock kernels regardless)
