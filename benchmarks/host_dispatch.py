@@ -56,6 +56,7 @@ def ops_under_test():
 
 
 def main() -> None:
+    import triton
     from rich.console import Console
     from rich.table import Table
 
@@ -78,7 +79,7 @@ def main() -> None:
     direct = per_call_us(lambda: mt.matmul(x, wt))
     c = torch.empty(16, 512, device="cuda", dtype=torch.bfloat16)
     bm, bn, warps, stages = mt._tiles_for(16, 512)
-    grid = (triton_cdiv(16, bm) * triton_cdiv(512, bn),)
+    grid = (triton.cdiv(16, bm) * triton.cdiv(512, bn),)
 
     def raw():
         mt.matmul_kernel[grid](
@@ -98,10 +99,6 @@ def main() -> None:
     table.add_row("matmul_triton.matmul (direct)", "", "", f"{direct:.1f}")
     table.add_row("matmul_kernel[grid] (raw launch)", "", "", f"{launch:.1f}")
     Console(width=160).print(table)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 if __name__ == "__main__":

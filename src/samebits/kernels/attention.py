@@ -168,12 +168,12 @@ def packed_attention_backward_flash(
     needs and samebits' forward does not keep) and backward, over the packed rows with their
     K/V heads as they are (flash takes grouped heads). `cu_seqlens`: `query_start_loc` as int32
     on the device (the batch has it), so nothing is copied to the device here. bf16/fp16,
-    head_dim a multiple of 8 up to 256, every row in a sequence; anything else (and a machine
-    whose torch has no flash kernels) takes `packed_attention_backward_sdpa`: one sdpa per
-    sequence, about 20 host launches each, which bounded the trainer's update."""
+    head_dim a multiple of 8 up to 256, the rows exactly the sequences (flash needs sm80+, as
+    samebits' Triton kernels do); anything else takes `packed_attention_backward_sdpa`: one sdpa
+    per sequence, about 20 host launches each, which bounded the trainer's update."""
     d = q.shape[-1]
-    fits = q.dtype in _FLASH_DTYPES and d % 8 == 0 and d <= 256 and query_start_loc[-1] == q.shape[0]
-    if not fits or query_start_loc[0] != 0:
+    rows_are_sequences = query_start_loc[0] == 0 and query_start_loc[-1] == q.shape[0]
+    if q.dtype not in _FLASH_DTYPES or d % 8 or d > 256 or not rows_are_sequences:
         return packed_attention_backward_sdpa(grad_out, q, k, v, query_start_loc, scale)
     if cu_seqlens is None:
         cu_seqlens = torch.tensor(query_start_loc, dtype=torch.int32, device=q.device)
