@@ -1,18 +1,24 @@
-"""Decode attention: which launch choices keep the bits, and what they cost (CUDA)
+"""Decode and prefill attention: which paths keep the bits, and what they cost (CUDA)
 
-    python benchmarks/attention_configs.py --batches 1,64,256 --context 1024
+    python benchmarks/attention_configs.py --batches 1,16,64,256 --context 1024 \
+        [--baseline old_attention_triton.py] [--launches] [--json out.json]
 
 At the Qwen3-30B-A3B attention shape (32 query heads, 4 kv heads, head dim 128, bf16,
 paged cache of 16-token pages), one query per sequence at `--context` keys: runs
-`attention_triton.attention` with the split on and off and with each (num_warps,
-num_stages) below (BLOCK_M, BLOCK_N and CHUNK fixed: they set the bits), compares the
-output bitwise with the default launch, and times it against the memory floor (the K/V
-bytes read once at the copy bandwidth measured in the same run).
+`attention_triton.attention` on each path (64-row tiles or transposed 16-row tiles, keys in
+one program or split into parallel programs), compares the output bitwise with the default
+path, and times it in a CUDA graph (as the engine replays decode) against the memory floor:
+the K/V bytes read once at the copy bandwidth measured in the same run. Then packed prefill
+(8 x `--context`, eager). `--baseline FILE`: also time another version of the module (e.g.
+`git show REV:src/samebits/kernels/attention_triton.py > old.py`) on its default path.
+`--launches`: also sweep (num_warps, num_stages) on each path (they must not change bits).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 
 import torch
 import triton
@@ -20,10 +26,18 @@ import triton
 from samebits.kernels import attention_triton as at
 
 H, KVH, D, PAGE = 32, 4, 128, 16
+DEFAULT_LAUNCH = (at.NUM_WARPS, at.NUM_STAGES)
 LAUNCHES = [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (2, 2)]
+PATHS = {  # name: (split, transposed)
+    "64 rows, one program": (False, False),
+    "64 rows, split": (True, False),
+    "16 rows transposed, one program": (False, True),
+    "16 rows transposed, split": (True, True),
+}
 
 
-def _inputs(batch: int, context: int, seed: int = 0):
+def _inputs(batch: int, context: int, seed: int = 0, queries: int = 1):
+    """K/V of `batch` sequences of `context` keys on scattered pages, `queries` queries each."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     pages = -(-context // PAGE)
     slots = batch * pages * PAGE
@@ -31,10 +45,79 @@ def _inputs(batch: int, context: int, seed: int = 0):
     v = torch.randn(slots, KVH, D, device="cuda", generator=g).bfloat16()
     perm = torch.randperm(batch * pages, device="cuda", generator=g).int()  # scattered pages
     table = perm.view(batch, pages).contiguous()
-    q = torch.randn(batch, H, D, device="cuda", generator=g).bfloat16()
+    q = torch.randn(batch * queries, H, D, device="cuda", generator=g).bfloat16()
     i32 = dict(dtype=torch.int32, device="cuda")
-    meta = (table, torch.arange(batch, **i32), torch.ones(batch, **i32), torch.full((batch,), context, **i32))
+    meta = (
+        table,
+        torch.arange(batch, **i32) * queries,
+        torch.full((batch,), queries, **i32),
+        torch.full((batch,), context, **i32),
+    )
     return q, k, v, meta
+
+
+def _load(path: str):
+    spec = importlib.util.spec_from_file_location("attention_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _graph_us(fn) -> float:
+    fn()
+    return 1000 * triton.testing.do_bench_cudagraph(fn, rep=50)
+
+
+def decode_paths(batches, context, baseline, launches, bw) -> dict:
+    return {f"B={b}": _decode_batch(b, context, baseline, launches, bw) for b in batches}
+
+
+def _decode_batch(b, context, baseline, launches, bw) -> dict:
+    q, k, v, meta = _inputs(b, context)
+    row = {"floor_us": 1e6 * 2 * b * context * KVH * D * 2 / bw}
+    ref = at.attention(q, k, v, *meta, 1, D**-0.5, PAGE)
+    split_d = b * KVH < at._programs_to_fill(q.device)
+    row["default"] = f"split={split_d}, transposed={at.transposed_fits(1, 8, D)}"
+
+    def call(split=None, tr=None):
+        return at.attention(q, k, v, *meta, 1, D**-0.5, PAGE, split=split, transposed=tr)
+
+    for name, (split, tr) in PATHS.items():
+        for w, s in launches:
+            at.NUM_WARPS, at.NUM_STAGES = w, s
+            try:
+                same = torch.equal(call(split, tr), ref)
+                row[f"{name}, {w} warps, {s} stages"] = {
+                    "same_bits": same,
+                    "us": _graph_us(lambda split=split, tr=tr: call(split, tr)),
+                }
+            except Exception as e:  # a launch that does not fit (shared memory): say so
+                row[f"{name}, {w} warps, {s} stages"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+            finally:
+                at.NUM_WARPS, at.NUM_STAGES = DEFAULT_LAUNCH
+    if baseline is not None:
+
+        def old():
+            return baseline.attention(q, k, v, *meta, 1, D**-0.5, PAGE)
+
+        row["baseline default"] = {"us": _graph_us(old), "same_bits": torch.equal(old(), ref)}
+    return row
+
+
+def prefill(nseq, context, baseline) -> dict:
+    q, k, v, meta = _inputs(nseq, context, queries=context)
+    flops = 4 * nseq * H * D * context * (context + 1) / 2  # QK^T and PV over the causal half
+
+    def run(mod):
+        return mod.attention(q, k, v, *meta, context, D**-0.5, PAGE)
+
+    res = {}
+    for name, mod in (("current", at), ("baseline", baseline)):
+        if mod is None:
+            continue
+        us = 1000 * triton.testing.do_bench(lambda m=mod: run(m), warmup=10, rep=50)
+        res[name] = {"us": us, "TFLOP/s": flops / us / 1e6}
+    return res
 
 
 def main() -> None:
@@ -46,37 +129,44 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--prefill-seqs", type=int, default=8)
+    p.add_argument("--baseline", default=None, help="another attention_triton.py to time beside this one")
+    p.add_argument("--launches", action="store_true", help="sweep (num_warps, num_stages) too")
+    p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
+    baseline = _load(args.baseline) if args.baseline else None
     bw = copy_bandwidth(torch.device("cuda"))
-    default = (at.NUM_WARPS, at.NUM_STAGES)
-    table = Table(title=f"decode attention at {args.context} keys: same bits as the default? us (x floor)")
-    table.add_column("split, warps, stages")
+    launches = LAUNCHES if args.launches else [(at.NUM_WARPS, at.NUM_STAGES)]
     batches = [int(b) for b in args.batches.split(",")]
-    cells: dict[tuple, list[str]] = {}
+    res = {
+        "gpu": torch.cuda.get_device_name(),
+        "copy_bandwidth_GBps": bw / 1e9,
+        "decode": decode_paths(batches, args.context, baseline, launches, bw),
+        "prefill": prefill(args.prefill_seqs, args.context, baseline),
+    }
+    table = Table(
+        title=f"decode attention at {args.context} keys, CUDA graph: same bits as the default? us (x floor)"
+    )
+    table.add_column("path")
+    names = [n for n in next(iter(res["decode"].values())) if n not in ("floor_us", "default")]
     for b in batches:
-        q, k, v, meta = _inputs(b, args.context)
-        floor = 1e6 * 2 * b * args.context * KVH * D * 2 / bw
-        table.add_column(f"B={b} (floor {floor:.0f} us)", justify="right")
-
-        def call(split, q=q, k=k, v=v, meta=meta):
-            return at.attention(q, k, v, *meta, 1, D**-0.5, PAGE, split=split)
-
-        ref = call(None)
-        for split in (False, True):
-            for launch in LAUNCHES:
-                at.NUM_WARPS, at.NUM_STAGES = launch
-                try:
-                    same = "same" if torch.equal(call(split), ref) else "DIFF"
-                    us = 1000 * triton.testing.do_bench(lambda s=split: call(s), warmup=10, rep=50)
-                    cell = f"{same} {us:.0f} ({us / floor:.1f}x)"
-                except Exception as e:  # a launch that does not fit (shared memory): say so
-                    cell = f"fails: {type(e).__name__}"
-                finally:
-                    at.NUM_WARPS, at.NUM_STAGES = default
-                cells.setdefault((split, *launch), []).append(cell)
-    for (split, w, s), row in cells.items():
-        table.add_row(f"{'split' if split else 'one program'}, {w}, {s}", *row)
-    Console().print(table)
+        table.add_column(f"B={b} (floor {res['decode'][f'B={b}']['floor_us']:.0f} us)", justify="right")
+    for name in names:
+        cells = []
+        for b in batches:
+            row = res["decode"][f"B={b}"]
+            c = row[name]
+            floor = row["floor_us"]
+            same = "same" if c.get("same_bits") else "DIFF"
+            cells.append(c["error"] if "error" in c else f"{same} {c['us']:.1f} ({c['us'] / floor:.2f}x)")
+        table.add_row(name, *cells)
+    console = Console(width=200)
+    console.print(table)
+    console.print({f"B={b}": res["decode"][f"B={b}"]["default"] for b in batches})
+    console.print("prefill", res["prefill"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

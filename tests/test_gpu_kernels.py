@@ -31,6 +31,11 @@ def _int(*xs):
     return [torch.tensor([x], dtype=torch.int32, device="cuda") for x in xs]
 
 
+def _decode_paths(d):
+    """(split, transposed) for one query per sequence: the transposed tiles need head_dim > 32."""
+    return [(s, t) for s in (True, False) for t in (True, False) if d > 32 or not t]
+
+
 @pytest.mark.parametrize("h,kvh,d", [(32, 4, 128), (6, 2, 24)])
 def test_triton_attention_same_bits_packed_chunked_and_decode(h, kvh, d):
     from samebits.kernels.attention import varlen_attention as varlen_ref
@@ -49,11 +54,13 @@ def test_triton_attention_same_bits_packed_chunked_and_decode(h, kvh, d):
     start, end = bounds[1]
     n = end - start
     kc, vc, table = _paged(k[start:end], v[start:end], 16, seed=3)
-    for i in (0, 1, 63, 64, 65, 200, n - 1):  # decode: one query over the paged cache
-        out = attention(
-            q[start + i : start + i + 1].contiguous(), kc, vc, table, *_int(0, 1, i + 1), 1, scale, 16
-        )
-        assert torch.equal(out[0], packed[start + i]), i
+    for i in (0, 1, 63, 64, 65, 200, n - 1):  # decode: one query over the paged cache, every path
+        for split, transposed in _decode_paths(d):
+            out = attention(
+                q[start + i : start + i + 1].contiguous(), kc, vc, table, *_int(0, 1, i + 1), 1, scale, 16,
+                split=split, transposed=transposed,
+            )  # fmt: skip
+            assert torch.equal(out[0], packed[start + i]), (i, split, transposed)
     for lo, hi in ((0, 37), (37, 200), (200, n)):  # chunked prefill over cached keys
         out = attention(
             q[start + lo : start + hi].contiguous(), kc, vc, table, *_int(0, hi - lo, hi), hi - lo, scale, 16
@@ -91,10 +98,12 @@ def test_split_keys_give_the_bits_of_one_program_per_tile(h, kvh, d):
     starts = torch.arange(len(lens), dtype=torch.int32, device="cuda")
     ones = torch.ones(len(lens), dtype=torch.int32, device="cuda")
     qs = torch.stack([q[n - 1] for n in lens])
-    for split in (True, False):
-        out = attention(qs, kc, vc, tables, starts, ones, lens_t, 1, scale, 16, split=split)
+    for split, transposed in _decode_paths(d):
+        out = attention(
+            qs, kc, vc, tables, starts, ones, lens_t, 1, scale, 16, split=split, transposed=transposed
+        )
         for i, n in enumerate(lens):
-            assert torch.equal(out[i], packed[n - 1]), (split, n)
+            assert torch.equal(out[i], packed[n - 1]), (split, transposed, n)
     three = [n for n in lens if n >= 3]  # 3 queries per sequence in one split call
     q3 = torch.cat([q[n - 3 : n] for n in three]).contiguous()
     out = attention(
@@ -103,9 +112,54 @@ def test_split_keys_give_the_bits_of_one_program_per_tile(h, kvh, d):
     )  # fmt: skip
     for i, n in enumerate(three):
         assert torch.equal(out[3 * i : 3 * i + 3], packed[n - 3 : n]), n
+    if d > 32:  # 2 queries per sequence x 8 heads: one transposed tile, whole and split
+        two = [n for n in lens if n >= 2]
+        q2 = torch.cat([q[n - 2 : n] for n in two]).contiguous()
+        lens2 = torch.tensor(two, dtype=torch.int32, device="cuda")
+        for split in (True, False):
+            out = attention(
+                q2, kc, vc, tables[: len(two)], starts[: len(two)] * 2, ones[: len(two)] * 2, lens2, 2,
+                scale, 16, split=split, transposed=True,
+            )  # fmt: skip
+            for i, n in enumerate(two):
+                assert torch.equal(out[2 * i : 2 * i + 2], packed[n - 2 : n]), (split, n)
     other = attention(q, k, v, table1, *_int(0, s, s), s, scale, 1, chunk=CHUNK // 2)
     assert torch.equal(other[: CHUNK // 2], packed[: CHUNK // 2])
     assert not torch.equal(other[CHUNK // 2 :], packed[CHUNK // 2 :])
+
+
+def test_transposed_tiles_give_the_bits_of_normal_tiles():
+    """Decode in transposed 16-row tiles (keys on the MMA's M) equals the 64-row tiles of
+    prefill and the trainer, row for row, at 512 positions of sequences up to 1100 keys.
+    Control: with the row sum of p taken by `tl.sum` (its order follows each orientation's
+    register layout) instead of an MMA against ones, some rows differ."""
+    from samebits.kernels.attention_triton import attention
+
+    h, kvh, d, s, rows = 32, 4, 128, 1100, 512
+    q = torch.randn(s, h, d, device="cuda", generator=_g(60)).bfloat16()
+    k = torch.randn(s, kvh, d, device="cuda", generator=_g(61)).bfloat16()
+    v = torch.randn(s, kvh, d, device="cuda", generator=_g(62)).bfloat16()
+    scale = d**-0.5
+    kc, vc, table = _paged(k, v, 16, seed=63)
+    pos = torch.randperm(s, generator=torch.Generator().manual_seed(64))[:rows].sort().values.to("cuda")
+    i32 = dict(dtype=torch.int32, device="cuda")
+    meta = (
+        table.expand(rows, -1).contiguous(), torch.arange(rows, **i32), torch.ones(rows, **i32),
+        (pos + 1).to(torch.int32),
+    )  # fmt: skip
+    for l_by_mma in (True, False):
+        packed = attention(q, kc, vc, table, *_int(0, s, s), s, scale, 16, l_by_mma=l_by_mma)
+        out = attention(
+            q[pos].contiguous(), kc, vc, *meta, 1, scale, 16, split=False, transposed=True, l_by_mma=l_by_mma
+        )
+        normal = attention(
+            q[pos].contiguous(), kc, vc, *meta, 1, scale, 16, split=False, transposed=False, l_by_mma=l_by_mma
+        )
+        assert torch.equal(normal, packed[pos]), l_by_mma  # 64-row tiles: one or 64 queries alike
+        if l_by_mma:
+            assert torch.equal(out, packed[pos])
+        else:
+            assert not torch.equal(out, packed[pos])
 
 
 def _experts_inputs(t, e=128, k=8, h=2048, i=768, seed=0):

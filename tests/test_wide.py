@@ -110,16 +110,17 @@ def _requests():
     return prompts, params
 
 
-def _runs(wide, weights, numerics):
+def _runs(wide, weights, numerics, **kw):
     """The four schedules of the same requests: batched, each alone, chunked, preempted."""
     prompts, params = _requests()
-    batched = _engine(wide, weights, numerics).generate(prompts, params)
+    batched = _engine(wide, weights, numerics, **kw).generate(prompts, params)
     alone = [
-        _engine(wide, weights, numerics).generate([p], [s])[0] for p, s in zip(prompts, params, strict=True)
+        _engine(wide, weights, numerics, **kw).generate([p], [s])[0]
+        for p, s in zip(prompts, params, strict=True)
     ]
-    chunked = _engine(wide, weights, numerics, max_num_batched_tokens=8).generate(prompts, params)
+    chunked = _engine(wide, weights, numerics, max_num_batched_tokens=8, **kw).generate(prompts, params)
     # 4 blocks of 8 slots: the 27-token request needs all 4, so the others are preempted
-    preempted = _engine(wide, weights, numerics, block_size=8, num_blocks=4).generate(prompts, params)
+    preempted = _engine(wide, weights, numerics, block_size=8, num_blocks=4, **kw).generate(prompts, params)
     assert sum(o.num_preemptions for o in preempted) > 0
     return batched, {"alone": alone, "chunked": chunked, "preempted": preempted}
 
@@ -168,6 +169,24 @@ def test_wide_trainer_packed_and_one_at_a_time_equal_the_engine(wide, exact):
             lps = _recompute(model, batched, packed)
             for out, lp in zip(batched, lps, strict=True):
                 assert torch.equal(out.logprobs, lp), (packed, (out.logprobs != lp).sum())
+
+
+@pytest.mark.gpu
+def test_wide_on_cuda_schedules_and_the_trainer_agree(wide, weights):
+    """On CUDA at head_dim 128 the engine's decode attention runs in transposed 16-row tiles
+    with split keys, its prefill and the trainer in 64-row tiles, with cuBLAS nowhere: the
+    four schedules and the trainer's packed recompute give the same bits. Control: the same
+    schedules on the fast profile (cuBLAS GEMMs) differ."""
+    batched, others = _runs(wide, weights, "exact", device="cuda")
+    for name, outs in others.items():
+        assert _mismatches(outs, batched) == 0, name
+    model = trainer.load_hf_model(wide, device="cuda", dtype=torch.bfloat16)
+    with batch_invariant():
+        lps = _recompute(model, batched, packed=True)
+    for out, lp in zip(batched, lps, strict=True):
+        assert torch.equal(out.logprobs, lp.cpu())
+    fast_batched, fast_others = _runs(wide, weights, "fast", device="cuda")
+    assert any(_mismatches(outs, fast_batched) for outs in fast_others.values())
 
 
 @pytest.mark.parametrize("experts", ["samebits", "grouped_mm"])

@@ -43,23 +43,68 @@ import triton
 import triton.language as tl
 
 BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 64, 4, 3  # stages: measured (3 and 4 tie; 2 is 13% slower)
+# Query rows of a transposed tile (decode): the MMA's N. 16 rows hold two tokens of 8 query heads.
+BLOCK_Q = 16
 # Keys per chunk. Every path splits a row's keys into chunks [0, CHUNK), [CHUNK, 2 CHUNK), ...;
 # each chunk's online softmax starts afresh and the chunks merge in order, either in the same
 # program (prefill, the trainer, big decode batches) or in parallel programs plus a merging
 # launch (small decode batches): the same operations, so the same bits.
 CHUNK = 256
+# The row sums of p are taken by an MMA against a block of ones; its other dimension (the
+# ones' columns, or rows when transposed) is the smallest the MMA takes in that position.
+_ONES_N, _ONES_M = 16, 64
 _DTYPES = (torch.bfloat16, torch.float16)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (development only)
+
+
+@triton.jit
+def _per_row(x, TRANSPOSED: tl.constexpr):
+    """A [ROWS] row statistic shaped to broadcast against a tile: [ROWS, 1], or [1, ROWS]
+    when the tile is transposed (rows on the second dimension)."""
+    if TRANSPOSED:
+        y = x[None, :]
+    else:
+        y = x[:, None]
+    return y
+
+
+@triton.jit
+def _row_offsets(row_off, d, TRANSPOSED: tl.constexpr):
+    """Offsets of a [ROWS, BLOCK_D] tile (row offsets + d), or of its transpose [BLOCK_D, ROWS]."""
+    if TRANSPOSED:
+        y = row_off[None, :] + d[:, None]
+    else:
+        y = row_off[:, None] + d[None, :]
+    return y
+
+
+@triton.jit
+def _row_mask(valid, d, D: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The tile's valid rows and d < D, shaped as `_row_offsets`."""
+    if TRANSPOSED:
+        y = valid[None, :] & (d[:, None] < D)
+    else:
+        y = valid[:, None] & (d[None, :] < D)
+    return y
 
 
 @triton.jit
 def _attend_block(
     q, k_ptr, v_ptr, block_table_ptr, b, kvh, start, end, pos, d, scale, page_size,
     stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, m_i, l_i, acc,
-    D: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, TRANSPOSED: tl.constexpr, L_MMA: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_N block of keys [start, start + BLOCK_N) (those < end) folded into the
-    online-softmax statistics (m_i, l_i, acc) of the tile's rows."""
+    online-softmax statistics (m_i, l_i, acc) of the tile's rows.
+
+    Normal orientation: q [ROWS, BLOCK_D], S = Q K^T, acc [ROWS, BLOCK_D] += P V. Transposed
+    (q is Q^T [BLOCK_D, ROWS]): S^T = K Q^T, acc [BLOCK_D, ROWS] += V^T P^T, so the 64 keys
+    fill the MMA's M and a decode tile's few rows sit on N. Each product element is the same
+    K-long dot product in either orientation, and the tensor cores' order for it does not
+    depend on where it sits in the tile (docs/perf-notes.md, eighth session: bitwise equal).
+    The row sum of p is one more such product, bf16(p) against ones, rather than `tl.sum`,
+    whose order follows the register layout, which differs between the orientations (L_MMA
+    False: `tl.sum`, the negative control of that claim)."""
     keys = start + tl.arange(0, BLOCK_N)
     in_ctx = keys < end
     page = tl.load(block_table_ptr + b * stride_bt + keys // page_size, mask=in_ctx, other=0)
@@ -67,33 +112,65 @@ def _attend_block(
     kv_mask = in_ctx[:, None] & (d[None, :] < D)
     k = tl.load(k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N] fp32
-    s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if TRANSPOSED:
+        s = tl.dot(k, q) * scale  # [BLOCK_N, ROWS] fp32 = S^T
+        s = tl.where(keys[:, None] <= pos[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale  # [ROWS, BLOCK_N] fp32
+        s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays at 0s
     alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
+    p = tl.exp(s - _per_row(m_safe, TRANSPOSED))
+    pb = p.to(v.dtype)
+    if not L_MMA:  # the control
+        if TRANSPOSED:
+            ps = tl.sum(p, 0)
+        else:
+            ps = tl.sum(p, 1)
+    elif TRANSPOSED:  # ones [64, BLOCK_N] @ P^T: every row holds the sums; row 0 taken exactly
+        r = tl.dot(tl.full((_ONES_M, BLOCK_N), 1.0, v.dtype), pb)
+        ps = tl.sum(tl.where((tl.arange(0, _ONES_M) == 0)[:, None], r, 0.0), 0)
+    else:  # P @ ones [BLOCK_N, 16]: every column holds the sums; column 0 taken exactly
+        r = tl.dot(pb, tl.full((BLOCK_N, _ONES_N), 1.0, v.dtype))
+        ps = tl.sum(tl.where((tl.arange(0, _ONES_N) == 0)[None, :], r, 0.0), 1)
+    l_i = l_i * alpha + ps
+    acc = acc * _per_row(alpha, TRANSPOSED)
+    if TRANSPOSED:
+        acc = tl.dot(tl.trans(v), pb, acc)
+    else:
+        acc = tl.dot(pb, v, acc)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _fresh(ROWS: tl.constexpr, BLOCK_D: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Statistics of no key yet: m = -inf, l = 0, acc = 0 ([ROWS, BLOCK_D] or its transpose)."""
+    m = tl.full((ROWS,), float("-inf"), tl.float32)
+    l_i = tl.zeros((ROWS,), tl.float32)
+    if TRANSPOSED:
+        acc = tl.zeros((BLOCK_D, ROWS), tl.float32)
+    else:
+        acc = tl.zeros((ROWS, BLOCK_D), tl.float32)
+    return m, l_i, acc
 
 
 @triton.jit
 def _attend_chunk(
     q, k_ptr, v_ptr, block_table_ptr, b, kvh, c_start, c_end, pos, d, scale, page_size,
     stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    TRANSPOSED: tl.constexpr, L_MMA: tl.constexpr,
 ):  # fmt: skip
     """Online softmax of the tile's rows over keys [c_start, c_end) (one chunk), from fresh
     statistics -> (m, l, acc). A row with no key in the chunk gets m = -inf, l = 0, acc = 0."""
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    m_i, l_i, acc = _fresh(ROWS, BLOCK_D, TRANSPOSED)
     for start in range(c_start, c_end, BLOCK_N):
         m_i, l_i, acc = _attend_block(
             q, k_ptr, v_ptr, block_table_ptr, b, kvh, start, c_end, pos, d, scale, page_size,
-            stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, m_i, l_i, acc, D, BLOCK_N,
+            stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, m_i, l_i, acc, D, BLOCK_N, TRANSPOSED,
+            L_MMA,
         )  # fmt: skip
     return m_i, l_i, acc
 
@@ -107,17 +184,22 @@ def _chunk_end(c_start, hi, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _merge(m, l_run, acc, m_c, l_c, acc_c):
+def _merge(m, l_run, acc, m_c, l_c, acc_c, TRANSPOSED: tl.constexpr):
     """Fold one chunk's statistics into the running ones; a chunk the row has no key in
-    (m_c = -inf) leaves them exactly as they were."""
+    (m_c = -inf) leaves them exactly as they were. Elementwise, so the orientation only
+    decides how a row's statistics broadcast."""
     m_new = tl.maximum(m, m_c)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     a = tl.exp(m - m_safe)
     c = tl.exp(m_c - m_safe)
     skip = m_c == float("-inf")
     l_new = l_run * a + l_c * c
-    acc_new = acc * a[:, None] + acc_c * c[:, None]
-    return tl.where(skip, m, m_new), tl.where(skip, l_run, l_new), tl.where(skip[:, None], acc, acc_new)
+    acc_new = acc * _per_row(a, TRANSPOSED) + acc_c * _per_row(c, TRANSPOSED)
+    return (
+        tl.where(skip, m, m_new),
+        tl.where(skip, l_run, l_new),
+        tl.where(_per_row(skip, TRANSPOSED), acc, acc_new),
+    )
 
 
 @triton.jit
@@ -130,19 +212,19 @@ def _tile_rows(
     ctx_len_ptr,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     """The tile's rows (query tokens x the kv head's query heads): (q_len, q_start, token,
     head, valid, position, hi = keys any row of the tile sees)."""
-    TOKENS: tl.constexpr = BLOCK_M // G_PAD
+    TOKENS: tl.constexpr = ROWS // G_PAD
     q_len = tl.load(q_len_ptr + b)
     q_start = tl.load(q_start_ptr + b)
     ctx_len = tl.load(ctx_len_ptr + b)
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, ROWS)
     tok = tile * TOKENS + rows // G_PAD  # query index within this sequence's chunk
     head = kvh * G + rows % G_PAD
     valid = (tok < q_len) & (rows % G_PAD < G)
-    pos = tl.where(valid, ctx_len - q_len + tok, 0)  # [BLOCK_M]; padding rows see key 0 only
+    pos = tl.where(valid, ctx_len - q_len + tok, 0)  # [ROWS]; padding rows see key 0 only
     hi = ctx_len - q_len + (tile + 1) * TOKENS
     if hi > ctx_len:
         hi = ctx_len
@@ -156,23 +238,27 @@ def attention_kernel(
     scale, page_size,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr,
+    TRANSPOSED: tl.constexpr, L_MMA: tl.constexpr,
 ):  # fmt: skip
     """Whole (SPLIT False): program (sequence, tile, kv head) walks the chunks of its keys in
     order, merging each. Split: program (sequence, chunk, kv head) of a one-tile call computes
-    one chunk and stores its statistics at [query row, chunk, head] for `combine_kernel`."""
+    one chunk and stores its statistics at [query row, chunk, head] for `combine_kernel`.
+    A tile is ROWS (query token, head) rows: BLOCK_M in the normal orientation, BLOCK_Q
+    transposed (`_attend_block`)."""
     b = tl.program_id(0)
     kvh = tl.program_id(2)
     tile = 0 if SPLIT else tl.program_id(1)
     q_len, q_start, tok, head, valid, pos, hi = _tile_rows(
-        b, tile, kvh, q_start_ptr, q_len_ptr, ctx_len_ptr, G, G_PAD, BLOCK_M
+        b, tile, kvh, q_start_ptr, q_len_ptr, ctx_len_ptr, G, G_PAD, ROWS
     )
-    if tile * (BLOCK_M // G_PAD) >= q_len:
+    if tile * (ROWS // G_PAD) >= q_len:
         return
     d = tl.arange(0, BLOCK_D)
+    row_mask = _row_mask(valid, d, D, TRANSPOSED)
     q = tl.load(
-        q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=valid[:, None] & (d[None, :] < D),
+        q_ptr + _row_offsets((q_start + tok) * stride_qt + head * stride_qh, d, TRANSPOSED),
+        mask=row_mask,
         other=0.0,
     )
     if SPLIT:
@@ -182,33 +268,28 @@ def attention_kernel(
         m_c, l_c, acc_c = _attend_chunk(
             q, k_ptr, v_ptr, block_table_ptr, b, kvh, c_start, _chunk_end(c_start, hi, CHUNK), pos, d,
             scale, page_size, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
-            D, BLOCK_M, BLOCK_D, BLOCK_N,
+            D, ROWS, BLOCK_D, BLOCK_N, TRANSPOSED, L_MMA,
         )  # fmt: skip
         at = ((q_start + tok).to(tl.int64) * chunks + tl.program_id(1)) * (G * tl.num_programs(2)) + head
         tl.store(part_m_ptr + at, m_c, mask=valid)
         tl.store(part_l_ptr + at, l_c, mask=valid)
-        tl.store(part_acc_ptr + at[:, None] * D + d[None, :], acc_c, mask=valid[:, None] & (d[None, :] < D))
+        tl.store(part_acc_ptr + _row_offsets(at * D, d, TRANSPOSED), acc_c, mask=row_mask)
     else:
-        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_run = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        m_c = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_c = tl.zeros((BLOCK_M,), tl.float32)
-        acc_c = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        m, l_run, acc = _fresh(ROWS, BLOCK_D, TRANSPOSED)
+        m_c, l_c, acc_c = _fresh(ROWS, BLOCK_D, TRANSPOSED)
         for start in range(0, hi, BLOCK_N):
             m_c, l_c, acc_c = _attend_block(
                 q, k_ptr, v_ptr, block_table_ptr, b, kvh, start, hi, pos, d, scale, page_size,
-                stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, m_c, l_c, acc_c, D, BLOCK_N,
+                stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, m_c, l_c, acc_c, D, BLOCK_N, TRANSPOSED,
+                L_MMA,
             )  # fmt: skip
             if ((start + BLOCK_N) % CHUNK == 0) | (start + BLOCK_N >= hi):  # the chunk's last block
-                m, l_run, acc = _merge(m, l_run, acc, m_c, l_c, acc_c)
-                m_c = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-                l_c = tl.zeros((BLOCK_M,), tl.float32)
-                acc_c = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+                m, l_run, acc = _merge(m, l_run, acc, m_c, l_c, acc_c, TRANSPOSED)
+                m_c, l_c, acc_c = _fresh(ROWS, BLOCK_D, TRANSPOSED)
         tl.store(
-            o_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-            (acc / l_run[:, None]).to(o_ptr.dtype.element_ty),
-            mask=valid[:, None] & (d[None, :] < D),
+            o_ptr + _row_offsets((q_start + tok) * stride_ot + head * stride_oh, d, TRANSPOSED),
+            (acc / _per_row(l_run, TRANSPOSED)).to(o_ptr.dtype.element_ty),
+            mask=row_mask,
         )
 
 
@@ -220,7 +301,8 @@ def combine_kernel(
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """Program (sequence, kv head) of a split call: the chunks' statistics merged in order,
-    as the whole kernel merges them, then the output rows."""
+    as the whole kernel merges them, then the output rows (elementwise: the orientation the
+    chunks ran in does not matter here)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     q_len, q_start, tok, head, valid, pos, hi = _tile_rows(
@@ -229,9 +311,7 @@ def combine_kernel(
     if q_len <= 0:
         return
     d = tl.arange(0, BLOCK_D)
-    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_run = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    m, l_run, acc = _fresh(BLOCK_M, BLOCK_D, False)
     heads = G * tl.num_programs(1)
     for c in range(0, tl.cdiv(hi, CHUNK)):
         at = ((q_start + tok).to(tl.int64) * chunks + c) * heads + head  # [T, chunks, H]
@@ -240,7 +320,7 @@ def combine_kernel(
         acc_c = tl.load(
             part_acc_ptr + at[:, None] * D + d[None, :], mask=valid[:, None] & (d[None, :] < D), other=0.0
         )
-        m, l_run, acc = _merge(m, l_run, acc, m_c, l_c, acc_c)
+        m, l_run, acc = _merge(m, l_run, acc, m_c, l_c, acc_c, False)
     tl.store(
         o_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
         (acc / l_run[:, None]).to(o_ptr.dtype.element_ty),
@@ -263,6 +343,8 @@ def attention(
     block_n: int = BLOCK_N,
     chunk: int = CHUNK,
     split: bool | None = None,
+    transposed: bool | None = None,
+    l_by_mma: bool = True,
 ) -> torch.Tensor:
     """Causal attention of every query over its own sequence's keys 0..p -> [T, H, D].
 
@@ -270,8 +352,11 @@ def attention(
     this call's tokens must already be in the cache. Rows of T that belong to no
     sequence are left untouched in `out`. `split`: compute the chunks in parallel programs
     and merge them in a second launch (the same bits; None: when the call has one tile per
-    sequence and fewer programs (sequences x kv heads) than half the SMs). `block_n` and `chunk` exist for
-    experiments and negative controls: the engine and the trainer always use the defaults.
+    sequence and fewer programs (sequences x kv heads) than half the SMs). `transposed`: tiles
+    of BLOCK_Q rows with the keys on the MMA's M (the same bits; None: when every sequence's
+    queries fit one such tile, as in decode, and head_dim > 32). `block_n`, `chunk` and
+    `l_by_mma` (False: row sums by `tl.sum`) exist for experiments and negative controls: the
+    engine and the trainer always use the defaults.
     """
     check_attention_inputs(q, k_cache, v_cache)
     t, h, d = q.shape
@@ -288,7 +373,17 @@ def attention(
     b = q_len.shape[0]
     if t == 0 or b == 0 or max_q_len == 0:
         return out
-    tokens_per_tile = BLOCK_M // g_pad
+    block_d = max(16, triton.next_power_of_2(d))
+    fits_t = transposed_fits(max_q_len, g_pad, block_d)
+    if transposed is None:
+        transposed = fits_t
+    if transposed and not fits_t:
+        raise ValueError(
+            f"attention: transposed tiles need every sequence's queries x {g_pad} padded heads in "
+            f"{BLOCK_Q} rows and head_dim > 32, got {max_q_len} queries and head_dim {d}"
+        )
+    rows = BLOCK_Q if transposed else BLOCK_M
+    tokens_per_tile = rows // g_pad
     one_tile = max_q_len <= tokens_per_tile
     if split is None:
         split = one_tile and b * kvh < _programs_to_fill(q.device)
@@ -305,23 +400,28 @@ def attention(
     else:
         part_m = part_l = part_acc = out  # not read
         grid = (b, triton.cdiv(max_q_len, tokens_per_tile), kvh)
-    shape = dict(
-        G=g, G_PAD=g_pad, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=BLOCK_M, CHUNK=chunk
-    )
+    shape = dict(G=g, G_PAD=g_pad, D=d, BLOCK_D=block_d, CHUNK=chunk)
     attention_kernel[grid](
         q, k_cache, v_cache, out, block_table, q_start, q_len, ctx_len, part_m, part_l, part_acc, chunks,
         scale, page_size,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), block_table.stride(0),
-        BLOCK_N=block_n, SPLIT=split, num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False,
-        **shape,
+        ROWS=rows, BLOCK_N=block_n, SPLIT=split, TRANSPOSED=transposed, L_MMA=l_by_mma,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False, **shape,
     )  # fmt: skip
     if split:
         combine_kernel[(b, kvh)](
             out, q_start, q_len, ctx_len, part_m, part_l, part_acc, chunks, out.stride(0), out.stride(1),
-            num_warps=NUM_WARPS, enable_fp_fusion=False, **shape,
+            BLOCK_M=BLOCK_M, num_warps=NUM_WARPS, enable_fp_fusion=False, **shape,
         )  # fmt: skip
     return out
+
+
+def transposed_fits(max_q_len: int, g_pad: int, block_d: int) -> bool:
+    """Whether a call can run in transposed tiles: every sequence's queries (x its kv head's
+    padded query heads) in BLOCK_Q rows, and a head dim block of at least 64, the M of the
+    V^T P^T MMA (a narrower M takes another MMA instruction, whose bits were not compared)."""
+    return max_q_len * g_pad <= BLOCK_Q and block_d >= 64
 
 
 _FILL: dict[torch.device, int] = {}
