@@ -52,7 +52,7 @@ BLOCK_Q = 16
 CHUNK = 256
 # The row sums of p are taken by an MMA against a block of ones; its other dimension (the
 # ones' columns, or rows when transposed) is the smallest the MMA takes in that position.
-_ONES_N, _ONES_M = 16, 64
+_ONES_N, _ONES_M = tl.constexpr(16), tl.constexpr(64)
 _DTYPES = (torch.bfloat16, torch.float16)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (development only)
 
