@@ -76,8 +76,8 @@ def _decode_batch(b, context, baseline, launches, bw) -> dict:
     q, k, v, meta = _inputs(b, context)
     row = {"floor_us": 1e6 * 2 * b * context * KVH * D * 2 / bw}
     ref = at.attention(q, k, v, *meta, 1, D**-0.5, PAGE)
-    split_d = b * KVH < at._programs_to_fill(q.device)
-    row["default"] = f"split={split_d}, transposed={at.transposed_fits(1, 8, D)}"
+    tr_d = at.transposed_fits(1, 8, D)
+    row["default"] = f"split={b * KVH < at._programs_to_fill(q.device, tr_d)}, transposed={tr_d}"
 
     def call(split=None, tr=None):
         return at.attention(q, k, v, *meta, 1, D**-0.5, PAGE, split=split, transposed=tr)

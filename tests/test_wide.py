@@ -177,6 +177,7 @@ def test_wide_on_cuda_schedules_and_the_trainer_agree(wide, weights):
     with split keys, its prefill and the trainer in 64-row tiles, with cuBLAS nowhere: the
     four schedules and the trainer's packed recompute give the same bits. Control: the same
     schedules on the fast profile (cuBLAS GEMMs) differ."""
+    weights = {name: t.to("cuda") for name, t in weights.items()}
     batched, others = _runs(wide, weights, "exact", device="cuda")
     for name, outs in others.items():
         assert _mismatches(outs, batched) == 0, name

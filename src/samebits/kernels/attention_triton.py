@@ -386,7 +386,7 @@ def attention(
     tokens_per_tile = rows // g_pad
     one_tile = max_q_len <= tokens_per_tile
     if split is None:
-        split = one_tile and b * kvh < _programs_to_fill(q.device)
+        split = one_tile and b * kvh < _programs_to_fill(q.device, transposed)
     if split and not one_tile:
         raise ValueError(
             f"attention: split needs at most {tokens_per_tile} queries per sequence, got {max_q_len}"
@@ -424,18 +424,21 @@ def transposed_fits(max_q_len: int, g_pad: int, block_d: int) -> bool:
     return max_q_len * g_pad <= BLOCK_Q and block_d >= 64
 
 
-_FILL: dict[torch.device, int] = {}
+_SMS: dict[torch.device, int] = {}
 
 
-def _programs_to_fill(device: torch.device) -> int:
-    """Programs (sequences x kv heads) below which a one-tile call splits its keys: half the
-    SMs. Measured on the H200 with Qwen3-30B-A3B's 4 kv heads and 1024 keys
-    (benchmarks/attention_configs.py): the split wins at batch 1 and loses from batch 32, 128
-    programs (57 vs 94 us at 32, 59 vs 81 at 64). Off CUDA (Triton's interpreter) 4."""
-    if device not in _FILL:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-        _FILL[device] = max(1, sms // 2)
-    return _FILL[device]
+def _programs_to_fill(device: torch.device, transposed: bool) -> int:
+    """Programs (sequences x kv heads) below which a one-tile call splits its keys. Measured
+    on the H200 with Qwen3-30B-A3B's 4 kv heads and 1024 keys, in a CUDA graph
+    (benchmarks/attention_configs.py; docs/perf-notes.md, ninth session): transposed tiles
+    split up to 32 sequences, 128 programs (36.8 vs 44.3 us; at 64 sequences 56.7 vs 52.2),
+    so below the SM count; 64-row tiles below half of it (the split lost from 32 sequences,
+    94 vs 57 us). Off CUDA (Triton's interpreter) 8 SMs."""
+    if device not in _SMS:
+        _SMS[device] = (
+            torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+        )
+    return _SMS[device] if transposed else max(1, _SMS[device] // 2)
 
 
 def paged_attention(
