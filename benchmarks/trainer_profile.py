@@ -38,8 +38,11 @@ def step(model, data, exact: bool, backward: bool) -> None:
         model.zero_grad(set_to_none=True)
 
 
-def measure(model, data, exact: bool, backward: bool, reps: int, top: int) -> tuple[float, float, str]:
-    """-> (wall ms, GPU-busy ms, top ops by GPU and by host time) per step, after a warm-up step."""
+def measure(
+    model, data, exact: bool, backward: bool, reps: int, top: int, stacks: tuple[str, ...] = ()
+) -> tuple[float, float, str]:
+    """-> (wall ms, GPU-busy ms, top ops by GPU and by host time) per step, after a warm-up step.
+    `stacks`: also the Python stacks that called each of these ops, by host time."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -50,14 +53,24 @@ def measure(model, data, exact: bool, backward: bool, reps: int, top: int) -> tu
         step(model, data, exact, backward)
     torch.cuda.synchronize()
     wall = 1000 * (time.perf_counter() - t0) / reps
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=bool(stacks)) as prof:
         step(model, data, exact, backward)
         torch.cuda.synchronize()
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
     events = prof.key_averages()
     # kernel (device-side) events only, as the table's "Self CUDA time total" counts them
     busy = sum(e.self_device_time_total for e in events if e.device_type != DeviceType.CPU) / 1000
     keys = ("self_device_time_total", "self_cpu_time_total", "cpu_time_total")  # the last: host, inclusive
     tables = [events.table(sort_by=key, row_limit=top) for key in keys]
+    tables.append(f"allocator retries (cudaFree of cached blocks, a device sync) in the step: {retries}")
+    if stacks:
+        by_stack = [e for e in prof.key_averages(group_by_stack_n=12) if e.key in stacks]
+        for e in sorted(by_stack, key=lambda e: -e.self_cpu_time_total)[:top]:
+            stack = "\n    ".join(e.stack or ["(no Python stack)"])
+            tables.append(
+                f"{e.key}: {e.count} calls, host self {e.self_cpu_time_total / 1000:.2f} ms\n    {stack}"
+            )
     return wall, busy, "\n".join(tables)
 
 
@@ -71,6 +84,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--top", type=int, default=15, help="kernels listed per arm and pass")
     p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument(
+        "--stacks", default="", help="comma-separated ops (e.g. aten::index) to list by calling stack"
+    )
     args = p.parse_args()
     from samebits import trainer
     from samebits.bench import free_memory, write_random_checkpoint
@@ -87,7 +103,8 @@ def main() -> None:
         data *= args.seqs
         for backward in (False, True):
             model.train(backward)
-            wall, busy, table = measure(model, data, exact, backward, args.reps, args.top)
+            stacks = tuple(x for x in args.stacks.split(",") if x)
+            wall, busy, table = measure(model, data, exact, backward, args.reps, args.top, stacks)
             name = f"{arm} {'forward+backward' if backward else 'forward (no grad)'}"
             summary.append((name, wall, busy))
             print(f"\n== {name}: wall {wall:.1f} ms, GPU busy {busy:.1f} ms\n{table}", flush=True)
