@@ -43,6 +43,7 @@ def measure(
 ) -> tuple[float, float, str]:
     """-> (wall ms, GPU-busy ms, top ops by GPU and by host time) per step, after a warm-up step.
     `stacks`: also the Python stacks that called each of these ops, by host time."""
+    from torch._C._profiler import _ExperimentalConfig
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -54,7 +55,10 @@ def measure(
     torch.cuda.synchronize()
     wall = 1000 * (time.perf_counter() - t0) / reps
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=bool(stacks)) as prof:
+    extra = {"with_stack": True, "experimental_config": _ExperimentalConfig(verbose=True)} if stacks else {}
+    with profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], **extra
+    ) as prof:  # verbose: Python frames
         step(model, data, exact, backward)
         torch.cuda.synchronize()
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
