@@ -1,6 +1,6 @@
 """Decode and prefill attention: which paths keep the bits, and what they cost (CUDA)
 
-    python benchmarks/attention_configs.py --batches 1,16,64,256 --context 1024 \
+    python benchmarks/attention_configs.py --batches 1,16,32,64,128,256 --context 1024 \
         [--baseline old_attention_triton.py] [--launches] [--json out.json]
 
 At the Qwen3-30B-A3B attention shape (32 query heads, 4 kv heads, head dim 128, bf16,
@@ -24,6 +24,7 @@ import torch
 import triton
 
 from samebits.kernels import attention_triton as at
+from samebits.kernels.attention_plan import plan
 
 H, KVH, D, PAGE = 32, 4, 128, 16
 DEFAULT_LAUNCH = (at.NUM_WARPS, at.NUM_STAGES)
@@ -69,6 +70,7 @@ def _graph_us(fn) -> float:
 
 
 def decode_paths(batches, context, baseline, launches, bw) -> dict:
+    """{"B=b": each path's bits (same as the default?) and CUDA-graph us, at each batch}."""
     return {f"B={b}": _decode_batch(b, context, baseline, launches, bw) for b in batches}
 
 
@@ -76,8 +78,8 @@ def _decode_batch(b, context, baseline, launches, bw) -> dict:
     q, k, v, meta = _inputs(b, context)
     row = {"floor_us": 1e6 * 2 * b * context * KVH * D * 2 / bw}
     ref = at.attention(q, k, v, *meta, 1, D**-0.5, PAGE)
-    tr_d = at.transposed_fits(1, 8, D)
-    row["default"] = f"split={b * KVH < at._programs_to_fill(q.device, tr_d)}, transposed={tr_d}"
+    path = plan(1, b, KVH, H // KVH, D, q.dtype, at._sms(q.device))
+    row["default"] = f"split={path.split}, transposed={path.transposed}"
 
     def call(split=None, tr=None):
         return at.attention(q, k, v, *meta, 1, D**-0.5, PAGE, split=split, transposed=tr)

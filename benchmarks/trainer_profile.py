@@ -43,7 +43,6 @@ def measure(
 ) -> tuple[float, float, str]:
     """-> (wall ms, GPU-busy ms, top ops by GPU and by host time) per step, after a warm-up step.
     `stacks`: also the Python stacks that called each of these ops, by host time."""
-    from torch._C._profiler import _ExperimentalConfig
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -55,7 +54,11 @@ def measure(
     torch.cuda.synchronize()
     wall = 1000 * (time.perf_counter() - t0) / reps
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
-    extra = {"with_stack": True, "experimental_config": _ExperimentalConfig(verbose=True)} if stacks else {}
+    extra = {}
+    if stacks:  # without the verbose config the profiler records no Python frames
+        from torch._C._profiler import _ExperimentalConfig
+
+        extra = {"with_stack": True, "experimental_config": _ExperimentalConfig(verbose=True)}
     with profile(
         activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], **extra
     ) as prof:  # verbose: Python frames
@@ -97,6 +100,7 @@ def main() -> None:
 
     model_path = args.model or write_random_checkpoint(Path(args.dir), args.layers, seed=0)
     g = torch.Generator().manual_seed(0)
+    stacks = tuple(x for x in args.stacks.split(",") if x)
     summary = []
     for arm in args.arms.split(","):
         impl, exact = ARMS[arm]
@@ -107,7 +111,6 @@ def main() -> None:
         data *= args.seqs
         for backward in (False, True):
             model.train(backward)
-            stacks = tuple(x for x in args.stacks.split(",") if x)
             wall, busy, table = measure(model, data, exact, backward, args.reps, args.top, stacks)
             name = f"{arm} {'forward+backward' if backward else 'forward (no grad)'}"
             summary.append((name, wall, busy))

@@ -31,9 +31,12 @@ def _int(*xs):
     return [torch.tensor([x], dtype=torch.int32, device="cuda") for x in xs]
 
 
-def _decode_paths(d):
-    """(split, transposed) for one query per sequence: the transposed tiles need head_dim > 32."""
-    return [(s, t) for s in (True, False) for t in (True, False) if d > 32 or not t]
+def _decode_paths(h, kvh, d):
+    """(split, transposed) for one query per sequence: transposed tiles where `plan` takes them."""
+    from samebits.kernels.attention_plan import transposed_fits
+
+    fits = transposed_fits(1, h // kvh, d, torch.bfloat16) is None
+    return [(s, t) for s in (True, False) for t in (True, False) if fits or not t]
 
 
 @pytest.mark.parametrize("h,kvh,d", [(32, 4, 128), (6, 2, 24)])
@@ -55,7 +58,7 @@ def test_triton_attention_same_bits_packed_chunked_and_decode(h, kvh, d):
     n = end - start
     kc, vc, table = _paged(k[start:end], v[start:end], 16, seed=3)
     for i in (0, 1, 63, 64, 65, 200, n - 1):  # decode: one query over the paged cache, every path
-        for split, transposed in _decode_paths(d):
+        for split, transposed in _decode_paths(h, kvh, d):
             out = attention(
                 q[start + i : start + i + 1].contiguous(), kc, vc, table, *_int(0, 1, i + 1), 1, scale, 16,
                 split=split, transposed=transposed,
@@ -98,7 +101,7 @@ def test_split_keys_give_the_bits_of_one_program_per_tile(h, kvh, d):
     starts = torch.arange(len(lens), dtype=torch.int32, device="cuda")
     ones = torch.ones(len(lens), dtype=torch.int32, device="cuda")
     qs = torch.stack([q[n - 1] for n in lens])
-    for split, transposed in _decode_paths(d):
+    for split, transposed in _decode_paths(h, kvh, d):
         out = attention(
             qs, kc, vc, tables, starts, ones, lens_t, 1, scale, 16, split=split, transposed=transposed
         )
@@ -112,7 +115,7 @@ def test_split_keys_give_the_bits_of_one_program_per_tile(h, kvh, d):
     )  # fmt: skip
     for i, n in enumerate(three):
         assert torch.equal(out[3 * i : 3 * i + 3], packed[n - 3 : n]), n
-    if d > 32:  # 2 queries per sequence x 8 heads: one transposed tile, whole and split
+    if len(_decode_paths(h, kvh, d)) == 4:  # 2 queries per sequence x 8 heads: one transposed tile
         two = [n for n in lens if n >= 2]
         q2 = torch.cat([q[n - 2 : n] for n in two]).contiguous()
         lens2 = torch.tensor(two, dtype=torch.int32, device="cuda")

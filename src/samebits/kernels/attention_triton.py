@@ -1,26 +1,31 @@
 """Batch-invariant causal attention for CUDA: one Triton kernel for every path.
 
 Prefill over packed sequences, chunked prefill over cached KV, decode and the
-trainer's packed forward all launch `attention_kernel` with the same
-compile-time configuration. A tile is BLOCK_M rows = (query tokens x the query
-heads of one kv head) of one sequence. Its keys are split into chunks of CHUNK
-keys from key 0: [0, CHUNK), [CHUNK, 2 CHUNK), ...; each chunk is walked in
-BLOCK_N blocks with a flash-style online softmax from fresh statistics (fp32),
-and the chunks' (max, sum, accumulator) are merged in chunk order. Either one
-program walks every block of its tile in one loop, merging each chunk after its
-last block and starting the next from fresh statistics (one loop rather than a
-loop per chunk, so the compiler pipelines the K/V loads across chunk edges:
-13% faster at decode batch 256 and 8% in prefill on the H200, the same bits;
-docs/perf-notes.md), or (`split`, for calls with
-one tile per sequence and fewer programs than half the SMs: small decode
-batches) one program per chunk stores its statistics and `combine_kernel` merges
-them in the same order with the same operations; every launch turns off FMA
-contraction, so both give the same bits. Chunks and blocks start at key 0
-whatever the path, so a query row at position p always meets the same chunks
-and blocks with the same masks; a block or chunk wholly past p is an exact no-op
-for that row. A row's bits therefore depend on its own query, its own keys 0..p
-and nothing else: not the batch, not the chunking of the prefill, not the rows
-sharing its tile, not whether its chunks ran in one program or several.
+trainer's packed forward all launch `attention_kernel`. A tile is a set of (query token,
+query head of one kv head) rows of one sequence: BLOCK_M = 64 rows, or for decode a
+transposed tile of BLOCK_Q = 16 rows whose MMAs put the 64 keys of a block on M and the
+rows on N (S^T = K Q^T, O^T = V^T P^T), so a decode tile wastes half of N instead of 7/8
+of M. Its keys are split into chunks of CHUNK keys from key 0: [0, CHUNK),
+[CHUNK, 2 CHUNK), ...; each chunk is walked in BLOCK_N blocks with a flash-style online
+softmax from fresh statistics (fp32), and the chunks' (max, sum, accumulator) are merged in
+chunk order. Either one program walks every block of its tile in one loop, merging each
+chunk after its last block and starting the next from fresh statistics (one loop rather
+than a loop per chunk, so the compiler pipelines the K/V loads across chunk edges: 13%
+faster at decode batch 256 and 8% in prefill on the H200, the same bits;
+docs/perf-notes.md), or (`split`, for calls with one tile per sequence and fewer programs
+than the SMs: small decode batches) one program per chunk stores its statistics and
+`combine_kernel` merges them in the same order with the same operations; every launch
+turns off FMA contraction, so both give the same bits. Chunks and blocks start at key 0
+whatever the path, so a query row at position p always meets the same chunks and blocks
+with the same masks; a block or chunk wholly past p is an exact no-op for that row.
+
+The two orientations give a row the same bits because each product element is one
+tensor-core dot product of the same operands wherever it sits in the tile, and the row
+sums of p are one more such product (bf16(p) against a block of ones) rather than
+`tl.sum`, whose order follows the register layout. A row's bits therefore depend on its
+own query, its own keys 0..p and nothing else: not the batch, not the chunking of the
+prefill, not the rows sharing its tile, not the tile's orientation, not whether its chunks
+ran in one program or several. `attention_plan.plan` picks the path.
 
 Keys are read through a page table: key j of sequence b sits at slot
 `block_table[b, j // page_size] * page_size + j % page_size` of a
@@ -42,9 +47,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 64, 4, 3  # stages: measured (3 and 4 tie; 2 is 13% slower)
-# Query rows of a transposed tile (decode): the MMA's N. 16 rows hold two tokens of 8 query heads.
-BLOCK_Q = 16
+from samebits.kernels.attention_plan import BLOCK_M, plan
+
+BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 4, 3  # stages: measured (3 and 4 tie; 2 is 13% slower)
 # Keys per chunk. Every path splits a row's keys into chunks [0, CHUNK), [CHUNK, 2 CHUNK), ...;
 # each chunk's online softmax starts afresh and the chunks merge in order, either in the same
 # program (prefill, the trainer, big decode batches) or in parallel programs plus a merging
@@ -351,10 +356,10 @@ def attention(
     Query i of sequence b sits at position ctx_len[b] - q_len[b] + i. The K/V of
     this call's tokens must already be in the cache. Rows of T that belong to no
     sequence are left untouched in `out`. `split`: compute the chunks in parallel programs
-    and merge them in a second launch (the same bits; None: when the call has one tile per
-    sequence and fewer programs (sequences x kv heads) than half the SMs). `transposed`: tiles
-    of BLOCK_Q rows with the keys on the MMA's M (the same bits; None: when every sequence's
-    queries fit one such tile, as in decode, and head_dim > 32). `block_n`, `chunk` and
+    and merge them in a second launch; `transposed`: tiles of BLOCK_Q rows with the keys on
+    the MMA's M. Both give the same bits; None leaves the choice to `attention_plan.plan`
+    (transposed for decode at the head layout where that was compared, split below the SM
+    count's programs). `block_n`, `chunk` and
     `l_by_mma` (False: row sums by `tl.sum`) exist for experiments and negative controls: the
     engine and the trainer always use the defaults.
     """
@@ -362,7 +367,6 @@ def attention(
     t, h, d = q.shape
     kvh = k_cache.shape[1]
     g = h // kvh
-    g_pad = triton.next_power_of_2(g)
     for name, x in (("block_table", block_table), ("q_start", q_start), ("q_len", q_len), ("ctx_len", ctx_len)):
         if x.dtype != torch.int32 or x.device != q.device:
             raise ValueError(f"attention: {name} must be int32 on {q.device}, got {x.dtype} on {x.device}")
@@ -374,23 +378,8 @@ def attention(
     if t == 0 or b == 0 or max_q_len == 0:
         return out
     block_d = max(16, triton.next_power_of_2(d))
-    fits_t = transposed_fits(max_q_len, g_pad, block_d)
-    if transposed is None:
-        transposed = fits_t
-    if transposed and not fits_t:
-        raise ValueError(
-            f"attention: transposed tiles need every sequence's queries x {g_pad} padded heads in "
-            f"{BLOCK_Q} rows and head_dim > 32, got {max_q_len} queries and head_dim {d}"
-        )
-    rows = BLOCK_Q if transposed else BLOCK_M
-    tokens_per_tile = rows // g_pad
-    one_tile = max_q_len <= tokens_per_tile
-    if split is None:
-        split = one_tile and b * kvh < _programs_to_fill(q.device, transposed)
-    if split and not one_tile:
-        raise ValueError(
-            f"attention: split needs at most {tokens_per_tile} queries per sequence, got {max_q_len}"
-        )
+    path = plan(max_q_len, b, kvh, g, d, q.dtype, _sms(q.device), split, transposed)
+    split, transposed, rows, tokens_per_tile = path.split, path.transposed, path.rows, path.tokens_per_tile
     chunks = triton.cdiv(block_table.shape[1] * page_size, chunk)  # a bound on any sequence's chunks
     if split:
         part_m = torch.empty(t, chunks, h, dtype=torch.float32, device=q.device)
@@ -400,7 +389,7 @@ def attention(
     else:
         part_m = part_l = part_acc = out  # not read
         grid = (b, triton.cdiv(max_q_len, tokens_per_tile), kvh)
-    shape = dict(G=g, G_PAD=g_pad, D=d, BLOCK_D=block_d, CHUNK=chunk)
+    shape = dict(G=g, G_PAD=triton.next_power_of_2(g), D=d, BLOCK_D=block_d, CHUNK=chunk)
     attention_kernel[grid](
         q, k_cache, v_cache, out, block_table, q_start, q_len, ctx_len, part_m, part_l, part_acc, chunks,
         scale, page_size,
@@ -417,28 +406,17 @@ def attention(
     return out
 
 
-def transposed_fits(max_q_len: int, g_pad: int, block_d: int) -> bool:
-    """Whether a call can run in transposed tiles: every sequence's queries (x its kv head's
-    padded query heads) in BLOCK_Q rows, and a head dim block of at least 64, the M of the
-    V^T P^T MMA (a narrower M takes another MMA instruction, whose bits were not compared)."""
-    return max_q_len * g_pad <= BLOCK_Q and block_d >= 64
-
-
 _SMS: dict[torch.device, int] = {}
 
 
-def _programs_to_fill(device: torch.device, transposed: bool) -> int:
-    """Programs (sequences x kv heads) below which a one-tile call splits its keys. Measured
-    on the H200 with Qwen3-30B-A3B's 4 kv heads and 1024 keys, in a CUDA graph
-    (benchmarks/attention_configs.py; docs/perf-notes.md, ninth session): transposed tiles
-    split up to 32 sequences, 128 programs (36.8 vs 44.3 us; at 64 sequences 56.7 vs 52.2),
-    so below the SM count; 64-row tiles below half of it (the split lost from 32 sequences,
-    94 vs 57 us). Off CUDA (Triton's interpreter) 8 SMs."""
+def _sms(device: torch.device) -> int:
+    """The device's SM count (off CUDA, Triton's interpreter: 8): `plan` splits a call's keys
+    below that many programs."""
     if device not in _SMS:
         _SMS[device] = (
             torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
         )
-    return _SMS[device] if transposed else max(1, _SMS[device] // 2)
+    return _SMS[device]
 
 
 def paged_attention(

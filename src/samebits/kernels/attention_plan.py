@@ -1,0 +1,84 @@
+"""Which path a call of the Triton attention kernel takes (pure Python: no Triton, no device).
+
+`attention_triton.attention` runs one of four paths, all with the same bits for a row:
+tiles of BLOCK_M (token, head) rows or transposed tiles of BLOCK_Q rows (keys on the MMA's
+M), and a row's 256-key chunks in one program or split over parallel programs merged by a
+second launch. `plan` picks one from the call's shape; the kernel module and the benchmark
+both ask it, and the CPU tests check it.
+
+Transposed tiles give the 64-row tiles' bits because every product element, the row sums of
+p included, is one tensor-core dot product wherever it sits in the tile. That was compared on
+an H200 at 32 query / 4 kv heads of 128 in bf16 (`tests/test_gpu_kernels.py`, the 48-layer
+probe), so the default takes them only at that head layout: 8 query heads per kv head, head
+dim 128, bf16. Other shapes run the 64-row tiles until their bits are compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK_M = 64  # (token, head) rows of a tile
+BLOCK_Q = 16  # rows of a transposed tile (the MMA's N): two tokens of 8 query heads
+TRANSPOSED_SHAPE = {"group": 8, "head_dim": 128, "dtype": torch.bfloat16}  # where the bits were compared
+
+
+@dataclass(frozen=True)
+class Plan:
+    transposed: bool
+    split: bool
+    rows: int  # (token, head) rows of a tile
+    tokens_per_tile: int
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def transposed_fits(max_q_len: int, group: int, head_dim: int, dtype: torch.dtype) -> str | None:
+    """None when transposed tiles can take the call, else why not."""
+    if max_q_len * _pow2(group) > BLOCK_Q:
+        return f"{max_q_len} queries x {_pow2(group)} padded heads per kv head exceed {BLOCK_Q} rows"
+    want = TRANSPOSED_SHAPE
+    if (group, head_dim, dtype) != (want["group"], want["head_dim"], want["dtype"]):
+        return (
+            f"transposed tiles run only where their bits were compared with the 64-row tiles: "
+            f"{want['group']} query heads per kv head, head_dim {want['head_dim']}, {want['dtype']} "
+            f"(got {group}, {head_dim}, {dtype})"
+        )
+    return None
+
+
+def plan(
+    max_q_len: int,
+    batch: int,
+    kv_heads: int,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    sms: int,
+    split: bool | None = None,
+    transposed: bool | None = None,
+) -> Plan:
+    """The path of a call with `batch` sequences of at most `max_q_len` queries each.
+
+    transposed (None): when `transposed_fits`. split (None): when every sequence's queries fit
+    one tile and the call has fewer programs (sequences x kv heads) than `sms`. Measured on the
+    H200 in a CUDA graph at 4 kv heads and 1024 keys (docs/perf-notes.md, ninth session): the
+    split wins up to 32 sequences in either orientation (transposed 37.1 vs 44.3 us, 64 rows
+    41.0 vs 47.6) and loses from 64 (56.8 vs 52.1, 70.2 vs 55.8). A forced choice the call
+    cannot take raises ValueError."""
+    why = transposed_fits(max_q_len, group, head_dim, dtype)
+    if transposed is None:
+        transposed = why is None
+    elif transposed and why is not None:
+        raise ValueError(f"attention: transposed tiles cannot take this call: {why}")
+    rows = BLOCK_Q if transposed else BLOCK_M
+    tokens = rows // _pow2(group)
+    one_tile = max_q_len <= tokens
+    if split is None:
+        split = one_tile and batch * kv_heads < sms
+    elif split and not one_tile:
+        raise ValueError(f"attention: split needs at most {tokens} queries per sequence, got {max_q_len}")
+    return Plan(transposed, split, rows, tokens)
