@@ -172,15 +172,30 @@ def test_wide_trainer_packed_and_one_at_a_time_equal_the_engine(wide, exact):
 
 
 @pytest.mark.gpu
-def test_wide_on_cuda_schedules_and_the_trainer_agree(wide, weights):
+def test_wide_on_cuda_schedules_and_the_trainer_agree(wide, weights, monkeypatch):
     """On CUDA at head_dim 128 the engine's decode attention runs in transposed 16-row tiles
     with split keys, its prefill and the trainer in 64-row tiles, with cuBLAS nowhere: the
     four schedules, and the trainer's recompute of 8 copies of the batch packed in one row
-    (~600 rows), give the same bits. Control: the same recompute on stock GEMMs (outside
+    (~600 rows), give the same bits. Controls: (1) the same recompute on stock GEMMs (outside
     `batch_invariant()`) differs from one sequence at a time: at ~600 rows cuBLAS's rows
-    depend on M (`test_negative_control_cublas_rows_depend_on_m`)."""
+    depend on M (`test_negative_control_cublas_rows_depend_on_m`); (2) with the row sums of p
+    taken by `tl.sum`, whose order follows each tile orientation's register layout, the
+    engine's transposed decode no longer gives the trainer's bits."""
+    from functools import partial
+
+    from samebits.kernels import attention_triton as at
+
+    paths, real_plan = set(), at.plan
+
+    def recording(*args, **kwargs):
+        path = real_plan(*args, **kwargs)
+        paths.add((path.transposed, path.split))
+        return path
+
+    monkeypatch.setattr(at, "plan", recording)
     weights = {name: t.to("cuda") for name, t in weights.items()}
     batched, others = _runs(wide, weights, "exact", device="cuda")
+    assert (True, True) in paths and any(not t for t, _ in paths), paths  # both orientations ran
     for name, outs in others.items():
         assert _mismatches(outs, batched) == 0, name
     model = trainer.load_hf_model(wide, device="cuda", dtype=torch.bfloat16)
@@ -190,6 +205,12 @@ def test_wide_on_cuda_schedules_and_the_trainer_agree(wide, weights):
         assert torch.equal(out.logprobs, lp.cpu())
     stock_packed, stock_single = _recompute(model, batched * 8, True), _recompute(model, batched, False)
     assert any(not torch.equal(a, b) for a, b in zip(stock_packed, stock_single * 8, strict=True))
+    monkeypatch.setattr(at, "attention", partial(at.attention, l_by_mma=False))
+    prompts, params = _requests()
+    summed = _engine(wide, weights, device="cuda").generate(prompts, params)
+    with batch_invariant():
+        lps = _recompute(model, summed, packed=True)
+    assert any(not torch.equal(o.logprobs, lp.cpu()) for o, lp in zip(summed, lps, strict=True))
 
 
 @pytest.mark.parametrize("experts", ["samebits", "grouped_mm"])
