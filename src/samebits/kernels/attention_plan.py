@@ -22,6 +22,7 @@ import torch
 BLOCK_M = 64  # (token, head) rows of a tile
 BLOCK_Q = 16  # rows of a transposed tile (the MMA's N): two tokens of 8 query heads
 TRANSPOSED_SHAPE = {"group": 8, "head_dim": 128, "dtype": torch.bfloat16}  # where the bits were compared
+_COMPARED = tuple(TRANSPOSED_SHAPE.values())
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ def transposed_fits(max_q_len: int, group: int, head_dim: int, dtype: torch.dtyp
     if max_q_len * _pow2(group) > BLOCK_Q:
         return f"{max_q_len} queries x {_pow2(group)} padded heads per kv head exceed {BLOCK_Q} rows"
     want = TRANSPOSED_SHAPE
-    if (group, head_dim, dtype) != (want["group"], want["head_dim"], want["dtype"]):
+    if (group, head_dim, dtype) != _COMPARED:
         return (
             f"transposed tiles run only where their bits were compared with the 64-row tiles: "
             f"{want['group']} query heads per kv head, head_dim {want['head_dim']}, {want['dtype']} "
@@ -69,10 +70,11 @@ def plan(
     split wins up to 32 sequences in either orientation (transposed 37.1 vs 44.3 us, 64 rows
     41.0 vs 47.6) and loses from 64 (56.8 vs 52.1, 70.2 vs 55.8). A forced choice the call
     cannot take raises ValueError."""
-    why = transposed_fits(max_q_len, group, head_dim, dtype)
+    fits = max_q_len * _pow2(group) <= BLOCK_Q and _COMPARED == (group, head_dim, dtype)  # no strings: hot path
     if transposed is None:
-        transposed = why is None
-    elif transposed and why is not None:
+        transposed = fits
+    elif transposed and not fits:
+        why = transposed_fits(max_q_len, group, head_dim, dtype)
         raise ValueError(f"attention: transposed tiles cannot take this call: {why}")
     rows = BLOCK_Q if transposed else BLOCK_M
     tokens = rows // _pow2(group)

@@ -359,9 +359,8 @@ def attention(
     and merge them in a second launch; `transposed`: tiles of BLOCK_Q rows with the keys on
     the MMA's M. Both give the same bits; None leaves the choice to `attention_plan.plan`
     (transposed for decode at the head layout where that was compared, split below the SM
-    count's programs). `block_n`, `chunk` and
-    `l_by_mma` (False: row sums by `tl.sum`) exist for experiments and negative controls: the
-    engine and the trainer always use the defaults.
+    count's programs). `block_n`, `chunk` and `l_by_mma` (False: row sums by `tl.sum`) exist
+    for experiments and negative controls: the engine and the trainer always use the defaults.
     """
     check_attention_inputs(q, k_cache, v_cache)
     t, h, d = q.shape
