@@ -101,7 +101,9 @@ def weights(wide):
 
 
 def _engine(wide, weights, numerics="exact", max_model_len=32, **kw) -> LLM:
-    return LLM(wide, weights=weights.items(), numerics=numerics, max_num_seqs=4, max_model_len=max_model_len, **kw)
+    return LLM(
+        wide, weights=weights.items(), numerics=numerics, max_num_seqs=4, max_model_len=max_model_len, **kw
+    )
 
 
 def _requests(max_tokens: int = MAX_TOKENS):

@@ -12,13 +12,10 @@ registry (`numerics.registry.pick`): the registry's `TABLE` is where the choice 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from samebits.kernels.sample import race  # noqa: F401  (the engine's sampler races narrowed rows with it)
 from samebits.numerics import composite, scope
-from samebits.numerics.batch_invariant import batch_invariant
 from samebits.numerics.registry import pick
 from samebits.numerics.warmup import warm_cpu_vector_math
 
@@ -275,19 +272,12 @@ def _experts_setup(ctx, inputs, output):
 
 
 def _experts_backward(ctx, grad_out):
-    """Recompute the forward with differentiable ops (the registry's `experts_backward`; inside
-    batch_invariant() when the forward was exact) and differentiate that."""
+    """The registry's `experts_backward` for this device and the forward's profile."""
     x, index, weights, gate_up, down = ctx.saved_tensors
-    recompute = pick("experts_backward", x.device.type, ctx.profile)
     needs = ctx.needs_input_grad
+    backward = pick("experts_backward", x.device.type, ctx.profile)
     wants = (needs[0], needs[2], needs[3], needs[4])
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(n) for t, n in zip((x, weights, gate_up, down), wants, strict=True)]
-        with batch_invariant() if ctx.profile == "exact" else contextlib.nullcontext():
-            out = recompute(leaves[0], index, leaves[1], leaves[2], leaves[3])
-        wanted = [t for t in leaves if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
-    gx, gw, ggu, gd = (next(grads) if t.requires_grad else None for t in leaves)
+    gx, gw, ggu, gd = backward(grad_out, x, index, weights, gate_up, down, wants)
     return gx, None, gw, ggu, gd
 
 

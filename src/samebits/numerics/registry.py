@@ -25,13 +25,15 @@ The aten overrides of `batch_invariant()` follow the same table: `matmul`, `bmm`
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from samebits.kernels.experts import experts_grouped_mm, experts_ref, experts_stock_ref
+from samebits.kernels.experts import experts_ref, experts_stock_ref
+from samebits.kernels.experts_backward import experts_backward
 from samebits.kernels.matmul import adjacent_rows, bmm_ref, matmul_ref
 from samebits.kernels.reduce import tree_sum_ref
 from samebits.kernels.softmax import log_softmax_ref
@@ -179,18 +181,32 @@ def _experts_triton(x, index, weights, gate_up, down):
     return _EXPERTS_TRITON(x, index, weights.contiguous(), gate_up, down)
 
 
+# batch_invariant imports this module (triton_available), so its context is looked up at call time
+_BATCH_INVARIANT = _lazy("samebits.numerics.batch_invariant", "batch_invariant")
+
+
+def _grads_by_recompute(recompute: Callable, invariant: bool) -> Callable:
+    """An experts backward that recomputes the forward with differentiable ops (inside
+    batch_invariant() when `invariant`) and lets autograd differentiate it -> the
+    gradients of (hidden, weights, gate_up, down), None where not wanted."""
+
+    def backward(grad_out, x, index, weights, gate_up, down, wants):
+        with torch.enable_grad():
+            inputs = (x, weights, gate_up, down)
+            leaves = [t.detach().requires_grad_(w) for t, w in zip(inputs, wants, strict=True)]
+            with _BATCH_INVARIANT() if invariant else contextlib.nullcontext():
+                out = recompute(leaves[0], index, leaves[1], leaves[2], leaves[3])
+            wanted = [t for t in leaves if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
+        return tuple(next(grads) if t.requires_grad else None for t in leaves)
+
+    return backward
+
+
 def _experts_ref_twin(x, index, weights, gate_up, down):
     """`experts_ref` through differentiable ops (`F.linear`); inside batch_invariant() its GEMMs are
     `matmul_ref`, so it recomputes `experts_ref`'s forward bits with an autograd graph."""
     return experts_ref(x, index, weights, gate_up, down, linear=F.linear)
-
-
-def _experts_grouped_mm_stock(x, index, weights, gate_up, down):
-    """`experts_grouped_mm` on stock kernels even inside batch_invariant(): what the CUDA backward
-    differentiates. Gradients carry no bitwise contract, and inside the context its sum over
-    top-k ran as a tree launch over [T, K, H] (0.63 ms of GPU a layer at 4 x 128 tokens on the H200)."""
-    with scope.stock():
-        return experts_grouped_mm(x, index, weights, gate_up, down)
 
 
 def _divide_by_temperatures(x: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
@@ -314,9 +330,15 @@ TABLE: dict[str, dict[str, dict[str, Callable]]] = {
     },
     # what the experts' backward recomputes and differentiates (run inside batch_invariant()
     # when the forward was exact; on CUDA grouped_mm on stock kernels regardless)
+    # (grad_out, x, index, weights, gate_up, down, wants) -> the four gradients. CPU: autograd
+    # through a recompute of the forward (the exact twin's bits inside batch_invariant()); CUDA:
+    # the closed form on grouped GEMMs, stock kernels (gradients carry no bitwise contract)
     "experts_backward": {
-        "cpu": {"exact": _experts_ref_twin, "fast": experts_stock_ref},
-        "cuda": {ANY: _experts_grouped_mm_stock},
+        "cpu": {
+            "exact": _grads_by_recompute(_experts_ref_twin, invariant=True),
+            "fast": _grads_by_recompute(experts_stock_ref, invariant=False),
+        },
+        "cuda": {ANY: experts_backward},
     },
     "rms_norm": {
         "cpu": {ANY: composite.rms_norm},

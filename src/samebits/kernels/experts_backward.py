@@ -1,0 +1,97 @@
+"""The MoE experts' gradients in closed form, on grouped GEMMs (the CUDA backward).
+
+Gradients carry no bitwise contract, so this runs stock kernels. It replaces recomputing the
+forward with differentiable ops and letting autograd walk that graph: autograd rebuilt the
+expert outputs y (a GEMM it never needs) and ran ~40 host ops with a graph node each, a
+measured ~3 ms of host time a layer (`benchmarks/trainer_profile.py`, docs/perf-notes.md).
+
+Forward, per pair p = (t, k) routed to expert e (experts_grouped_mm's roundings):
+    [gate; up]_p = x_t GU_e^T,   a_p = silu(gate_p) * up_p,   y_p = a_p D_e^T,
+    out_t = sum_k w_tk y_p
+Backward, given g = dL/dout:
+    u_p = g_t D_e                       (GEMM 2; y itself is never rebuilt)
+    dw_tk = <g_t, y_p> = <u_p, a_p>
+    da_p = w_tk u_p;   dgate = da up silu'(gate);   dup = da silu(gate)
+    dx_t = sum_k [dgate; dup]_p GU_e    (GEMM 3; the k slots summed in fp32 in slot order)
+    dGU_e = sum_p [dgate; dup]_p^T x_t, dD_e = sum_p (w_tk g_t)^T a_p   (only when wanted)
+
+Reductions use `out=` overloads: on CUDA the backward runs on autograd's device thread, where
+every call of an op that `batch_invariant()` overrides (sum.dim, mm, ...) goes through the
+overrides' Python wrapper before reaching the stock kernel; an `out=` overload is not overridden.
+
+Shapes: T tokens, K top-k, N = T*K pairs, E experts, H hidden, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from samebits.kernels.experts import route
+
+# (a [N, K'], b [E, K', M] or a [K'', N] with b [N, M], offs [E] int32 ends) -> [N, M] or [E, K'', M]
+GroupedMM = Callable[..., torch.Tensor]
+
+
+def grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """`torch._grouped_mm(a, b, offs=offs)` as one `a @ b` per group, any dtype (float64 in
+    tests): 2-D x 3-D groups a's rows; 2-D x 2-D groups the shared K (-> [E, a rows, b cols])."""
+    ends = [0, *offs.tolist()]
+    if b.dim() == 3:
+        out = a.new_zeros(a.shape[0], b.shape[2])
+        for e in range(b.shape[0]):
+            out[ends[e] : ends[e + 1]] = a[ends[e] : ends[e + 1]] @ b[e]
+        return out
+    return torch.stack([a[:, ends[e] : ends[e + 1]] @ b[ends[e] : ends[e + 1]] for e in range(len(offs))])
+
+
+def _sum(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    shape = [s for d, s in enumerate(x.shape) if d != dim % x.dim()]
+    return torch.sum(x, dim, dtype=dtype, out=x.new_empty(shape, dtype=dtype))
+
+
+def experts_backward(
+    grad_out: torch.Tensor,  # [T, H]
+    hidden_states: torch.Tensor,  # [T, H]
+    top_k_index: torch.Tensor,  # [T, K]
+    top_k_weights: torch.Tensor,  # [T, K]
+    gate_up_proj: torch.Tensor,  # [E, 2I, H]
+    down_proj: torch.Tensor,  # [E, H, I]
+    wants: tuple[bool, bool, bool, bool],  # grads of (hidden, weights, gate_up, down)
+    gmm: GroupedMM = torch._grouped_mm,
+) -> tuple[torch.Tensor | None, ...]:
+    """-> (d hidden [T, H], d weights [T, K], d gate_up [E, 2I, H], d down [E, H, I]), None
+    where not wanted: the gradients of `experts_grouped_mm` (SiLU) in three grouped GEMMs."""
+    t, k = top_k_index.shape
+    if t == 0:
+        zeros = (hidden_states, top_k_weights, gate_up_proj, down_proj)
+        return tuple(torch.zeros_like(z) if w else None for z, w in zip(zeros, wants, strict=True))
+    inter = down_proj.shape[2]
+    order, offsets = route(top_k_index, gate_up_proj.shape[0])
+    order, offs = order.long(), offsets[1:]
+    tok = order // k
+    xs, gs = hidden_states[tok], grad_out.to(hidden_states.dtype)[tok]  # [N, H] in expert order
+    ws = top_k_weights.reshape(-1)[order].to(hidden_states.dtype)  # [N]
+    gate, up = gmm(xs, gate_up_proj.transpose(1, 2), offs=offs).split(inter, dim=-1)  # [N, I] each
+    act = F.silu(gate)
+    a = act * up
+    u = gmm(gs, down_proj, offs=offs)  # [N, I]
+    da = u * ws[:, None]
+    dh = torch.cat([torch.ops.aten.silu_backward(da * up, gate), da * act], dim=-1)  # [N, 2I]
+    acc = torch.promote_types(hidden_states.dtype, torch.float32)  # bf16/fp16 sum in fp32
+    grads: list[torch.Tensor | None] = [None] * 4
+    if wants[0]:
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        per_slot = gmm(dh, gate_up_proj, offs=offs)[inverse].view(t, k, -1)  # [T, K, H]
+        grads[0] = _sum(per_slot, 1, acc).to(hidden_states.dtype)
+    if wants[1]:
+        dw = _sum(u.to(acc) * a.to(acc), -1, acc)  # [N]
+        grads[1] = torch.zeros_like(dw).index_copy_(0, order, dw).view(t, k).to(top_k_weights.dtype)
+    if wants[2]:
+        grads[2] = gmm(xs.t(), dh, offs=offs).transpose(1, 2)  # [E, H, 2I] -> [E, 2I, H]
+    if wants[3]:
+        grads[3] = gmm(a.t(), gs * ws[:, None], offs=offs).transpose(1, 2)  # [E, I, H] -> [E, H, I]
+    return tuple(grads)
