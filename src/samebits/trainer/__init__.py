@@ -1,5 +1,6 @@
 """The transformers side: samebits experts/attention registered, teacher-forced log-probs."""
 
+from samebits.trainer.forwards import use_samebits_forwards
 from samebits.trainer.logprobs import (
     RotaryMismatchError,
     check_rotary_inv_freq,
@@ -20,4 +21,5 @@ __all__ = [
     "register",
     "reset_rotary_inv_freq",
     "token_logprobs",
+    "use_samebits_forwards",
 ]

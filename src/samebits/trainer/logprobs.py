@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 from samebits.model.families import family_for
 from samebits.numerics.ops import rotary_inv_freq
 from samebits.trainer.checks import from_pretrained_checked
+from samebits.trainer.forwards import use_samebits_forwards
 
 
 class RotaryMismatchError(RuntimeError):
@@ -51,16 +52,21 @@ def check_rotary_inv_freq(model) -> None:
             )
 
 
-def load_hf_model(path, device="cpu", dtype: torch.dtype = torch.bfloat16, **kwargs):
+def load_hf_model(
+    path, device="cpu", dtype: torch.dtype = torch.bfloat16, *, samebits_forwards: bool = True, **kwargs
+):
     """A transformers model with samebits experts and attention, rotary checked. `path`: a
     checkpoint directory or a hub id in the local HF cache; a checkpoint the engine would
-    refuse is refused here too (`trainer/checks.py`)."""
+    refuse is refused here too (`trainer/checks.py`). `samebits_forwards`: its linears and
+    RMSNorms run samebits' forwards (same bits, less host time: `trainer/forwards.py`)."""
     kwargs.setdefault("experts_implementation", "samebits")
     kwargs.setdefault("attn_implementation", "samebits")
     if torch.device(device).type == "cuda":  # straight to the GPU: no full copy in host memory
         kwargs.setdefault("device_map", str(device))
     model = from_pretrained_checked(AutoModelForCausalLM, path, dtype=dtype, **kwargs).to(device)
     reset_rotary_inv_freq(model)
+    if samebits_forwards:
+        use_samebits_forwards(model)
     model.eval()
     return model
 

@@ -12,13 +12,17 @@ import torch
 from samebits.model.config import check_checkpoint_config
 from samebits.model.omni import ENCODER_ATTENTION, reset_encoder_buffers
 from samebits.numerics.ops import rotary_inv_freq
+from samebits.trainer.forwards import use_samebits_forwards
 
 TEXT_ATTENTION = {"": "samebits", "text_config": "samebits"}
 
 
-def load_hf_thinker(path, device="cpu", dtype: torch.dtype = torch.bfloat16, **kwargs):
+def load_hf_thinker(
+    path, device="cpu", dtype: torch.dtype = torch.bfloat16, *, samebits_forwards: bool = True, **kwargs
+):
     """The transformers thinker (from a full Omni or a thinker-only checkpoint) with samebits
-    experts and text attention; encoders on eager attention; rotary/sinusoid buffers from the CPU."""
+    experts and text attention; encoders on eager attention; rotary/sinusoid buffers from the
+    CPU. `samebits_forwards` as in `load_hf_model`."""
     from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
 
     check_checkpoint_config(path)  # refuse what the engine refuses, before any weight is read
@@ -35,6 +39,8 @@ def load_hf_thinker(path, device="cpu", dtype: torch.dtype = torch.bfloat16, **k
         path, dtype=dtype, attn_implementation=attn, **kwargs
     ).to(device)
     reset_thinker_buffers(model)
+    if samebits_forwards:
+        use_samebits_forwards(model)
     return model.eval()
 
 

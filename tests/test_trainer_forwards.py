@@ -1,0 +1,95 @@
+"""samebits' forwards for the trainer's linears and RMSNorms (`trainer/forwards.py`).
+
+Claim, bitwise: inside `batch_invariant()` a model with them gives the log-probs of the same
+model on transformers' own module forwards, packed and one sequence at a time; outside it, the
+stock forwards run. Control: the same swap with one rounding of the RMSNorm moved (h rounded
+after the weight product instead of before, as some RMSNorm variants do) changes the bits.
+Gradients carry no bitwise contract: the closed-form backwards are checked against autograd in
+float32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from samebits import batch_invariant, trainer
+from samebits.trainer import forwards
+
+SEQS = [list(range(3, 40)), list(range(5, 20)), list(range(7, 60))]
+PROMPT_LENS = [5, 3, 9]
+
+
+def _logprobs(model, packed: bool, invariant: bool = True) -> list[torch.Tensor]:
+    with batch_invariant() if invariant else torch.no_grad():
+        return trainer.token_logprobs(model, SEQS, PROMPT_LENS, packed=packed)
+
+
+@pytest.fixture(scope="module")
+def pair(checkpoints):
+    path = checkpoints["mixed"]
+    return trainer.load_hf_model(path, samebits_forwards=False), trainer.load_hf_model(path)
+
+
+def test_every_linear_and_norm_changed_once(pair):
+    plain, fast = pair
+    layers = fast.config.num_hidden_layers
+    swapped = [m for m in fast.modules() if "forward" in m.__dict__]
+    # per layer q/k/v/o and four norms (input, post-attention, q, k); the final norm; the lm_head
+    assert len(swapped) == 8 * layers + 2 + sum(
+        isinstance(m, torch.nn.Linear) for layer in fast.model.layers for m in layer.mlp.modules()
+    )
+    assert not any("forward" in m.__dict__ for m in plain.modules())
+    assert forwards.use_samebits_forwards(fast) == 0  # idempotent
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_same_bits_as_transformers_forwards(pair, packed):
+    plain, fast = pair
+    want, got = _logprobs(plain, packed), _logprobs(fast, packed)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_outside_batch_invariant_the_stock_forwards_run(pair):
+    plain, fast = pair
+    want, got = _logprobs(plain, True, invariant=False), _logprobs(fast, True, invariant=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_control_a_norm_rounding_moved_changes_the_bits(pair, monkeypatch):
+    plain, fast = pair
+
+    def moved(x, weight, eps):  # weight * h in fp32, rounded once: one rounding fewer than Qwen3's
+        h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        return (weight.float() * h).to(torch.promote_types(x.dtype, weight.dtype))
+
+    real = forwards.pick
+    monkeypatch.setattr(forwards, "pick", lambda op, device: moved if op == "rms_norm" else real(op, device))
+    got, want = _logprobs(fast, True), _logprobs(plain, True)
+    assert any(not torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_gradients_match_autograd_in_float32(checkpoints):
+    path = checkpoints["fp32"]
+    plain = trainer.load_hf_model(path, dtype=torch.float32, samebits_forwards=False)
+    fast = trainer.load_hf_model(path, dtype=torch.float32)
+
+    def grads(model):
+        with batch_invariant():
+            lps = trainer.token_logprobs(model, SEQS, PROMPT_LENS, packed=True, with_grad=True)
+            torch.cat(lps).square().sum().backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    want, got = grads(plain), grads(fast)
+    assert got.keys() == want.keys() and any("norm" in n for n in got) and any("q_proj" in n for n in got)
+    for name in want:  # float32 rounding apart: ~1e-7 of the gradient's norm
+        assert ((got[name] - want[name]).norm() / want[name].norm()).item() < 1e-5, name
+
+
+def test_the_omni_thinker_text_norms_are_recognized(tmp_path):
+    from samebits.model.tiny_omni import build_tiny_omni_checkpoint
+
+    model = trainer.load_hf_thinker(build_tiny_omni_checkpoint(tmp_path / "omni", seed=0, layout="thinker"))
+    text = model.model.language_model
+    norms = [m for m in text.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert norms and all("forward" in m.__dict__ for m in norms)
