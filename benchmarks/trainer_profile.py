@@ -9,7 +9,8 @@ forward+backward (the update), the GPU-busy time inside them (sum of kernel time
 profiler: wall >> busy means the host is the bound), and the top ops by GPU time, by host
 self time and by host time including callees (which autograd nodes and modules the host
 time goes to). Each arm in its own process (`--arms`): `batch_invariant()`'s overrides,
-once registered, sit on every later stock call.
+once registered, sit on every later stock call. `samebits-before` is the trainer before
+`trainer/forwards.py` and the experts' closed-form backward (run it in its own process too).
 """
 
 from __future__ import annotations
@@ -23,8 +24,24 @@ import torch
 
 ARMS = {
     "samebits": ({}, True),
-    "stock": ({"experts_implementation": "grouped_mm", "attn_implementation": "sdpa"}, False),
+    # the ninth session's trainer: transformers' linears and norms under the overrides, and the
+    # experts' backward by autograd through a grouped_mm recompute
+    "samebits-before": ({"samebits_forwards": False}, True),
+    "stock": (
+        {"experts_implementation": "grouped_mm", "attn_implementation": "sdpa", "samebits_forwards": False},
+        False,
+    ),
 }
+
+
+def _recompute_experts_backward() -> None:
+    """The experts' CUDA backward as before the closed form (for the samebits-before arm)."""
+    from samebits.kernels.experts import experts_grouped_mm
+    from samebits.numerics import registry
+
+    registry.TABLE["experts_backward"]["cuda"] = {
+        registry.ANY: registry._grads_by_recompute(experts_grouped_mm, invariant=False)
+    }
 
 
 def step(model, data, exact: bool, backward: bool) -> None:
@@ -104,6 +121,8 @@ def main() -> None:
     summary = []
     for arm in args.arms.split(","):
         impl, exact = ARMS[arm]
+        if arm == "samebits-before":
+            _recompute_experts_backward()
         model = trainer.load_hf_model(model_path, device="cuda", **impl)
         for n, prm in model.named_parameters():
             prm.requires_grad_("mlp.experts" not in n)

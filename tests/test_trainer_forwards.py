@@ -93,3 +93,16 @@ def test_the_omni_thinker_text_norms_are_recognized(tmp_path):
     text = model.model.language_model
     norms = [m for m in text.modules() if type(m).__name__.endswith("RMSNorm")]
     assert norms and all("forward" in m.__dict__ for m in norms)
+
+
+@pytest.mark.gpu
+def test_on_cuda_same_bits_and_the_control_differs(checkpoints, monkeypatch):
+    """On CUDA the norms are one fused Triton launch and the linears the Triton matmul, called
+    directly: the same bits as transformers' modules under the overrides; the control differs."""
+    path = checkpoints["mixed"]
+    plain = trainer.load_hf_model(path, device="cuda", samebits_forwards=False)
+    fast = trainer.load_hf_model(path, device="cuda")
+    for packed in (True, False):
+        want, got = _logprobs(plain, packed), _logprobs(fast, packed)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), packed
+    test_control_a_norm_rounding_moved_changes_the_bits((plain, fast), monkeypatch)

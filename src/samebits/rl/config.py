@@ -82,6 +82,11 @@ class RLConfig:
     weight_sync: str = "distributed"
     out_dir: str | None = None
 
+    def invariant_trainer(self) -> bool:
+        """Whether any trainer forward runs inside batch_invariant() (then the trainer takes
+        samebits' forwards for its linears and norms; the stock baseline keeps transformers')."""
+        return "batch_invariant" in (self.update_kernels, self.recompute_kernels)
+
     def __post_init__(self) -> None:
         _one_of("algorithm", self.algorithm, ALGORITHMS)
         _one_of("dtype", self.dtype, DTYPES)

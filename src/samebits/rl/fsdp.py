@@ -46,13 +46,19 @@ def shard(model, param_dtype: torch.dtype | None, device_type: str):
 
 
 def load_sharded_trainer(
-    path, device: str, param_dtype: torch.dtype | None, experts_implementation: str, attn_implementation: str
+    path,
+    device: str,
+    param_dtype: torch.dtype | None,
+    experts_implementation: str,
+    attn_implementation: str,
+    samebits_forwards: bool = True,
 ):
     """The transformers model with float32 master weights, FSDP2-sharded over the world.
 
     Meta-device build -> `shard` -> `to_empty` -> each parameter's shard copied from the
     host copy (cast to float32 on the device one tensor at a time, sliced without any
-    communication) -> rotary `inv_freq` set to the CPU fp32 formula."""
+    communication) -> rotary `inv_freq` set to the CPU fp32 formula -> samebits' forwards for
+    the linears and norms (`trainer.use_samebits_forwards`) unless `samebits_forwards` is False."""
     from torch.distributed.tensor import distribute_tensor
     from transformers import AutoModelForCausalLM
 
@@ -79,6 +85,8 @@ def load_sharded_trainer(
             del full, local
     del host, source
     trainer.reset_rotary_inv_freq(model)
+    if samebits_forwards:
+        trainer.use_samebits_forwards(model)
     model.eval()
     return model
 

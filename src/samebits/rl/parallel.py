@@ -63,6 +63,7 @@ class Local:
             dtype=dtype,
             experts_implementation=config.trainer_experts,
             attn_implementation=config.trainer_attention,
+            samebits_forwards=config.invariant_trainer(),
         )
 
     def pad(self, micro: list[list[int]]) -> list[list[int]]:
@@ -125,7 +126,12 @@ class DataParallel(Local):
 
         param_dtype = None if dtype == torch.float32 else dtype
         return fsdp.load_sharded_trainer(
-            path, self.device, param_dtype, config.trainer_experts, config.trainer_attention
+            path,
+            self.device,
+            param_dtype,
+            config.trainer_experts,
+            config.trainer_attention,
+            samebits_forwards=config.invariant_trainer(),
         )
 
     def pad(self, micro: list[list[int]]) -> list[list[int]]:
