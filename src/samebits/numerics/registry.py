@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from samebits.kernels.experts import experts_ref, experts_stock_ref
 from samebits.kernels.experts_backward import experts_backward
 from samebits.kernels.matmul import adjacent_rows, bmm_ref, matmul_ref
+from samebits.kernels.norm_backward import rms_norm_backward_ref
 from samebits.kernels.reduce import tree_sum_ref
 from samebits.kernels.softmax import log_softmax_ref
 from samebits.numerics import composite, scope
@@ -179,6 +180,18 @@ def _projections_exact_cuda(x, weights):
 
 def _experts_triton(x, index, weights, gate_up, down):
     return _EXPERTS_TRITON(x, index, weights.contiguous(), gate_up, down)
+
+
+_NORM_BACKWARD_TRITON = _lazy("samebits.kernels.norm_backward_triton", "rms_norm_backward")
+
+
+def _rms_norm_backward_cuda(grad, x, weight, eps, wants):
+    """One Triton launch for rows of up to 8192 elements; the torch closed form otherwise."""
+    from samebits.kernels.norm_backward_triton import supported
+
+    if triton_available() and supported(x):
+        return _NORM_BACKWARD_TRITON(grad, x, weight, eps, wants)
+    return rms_norm_backward_ref(grad, x, weight, eps, wants)
 
 
 # batch_invariant imports this module (triton_available), so its context is looked up at call time
@@ -340,6 +353,9 @@ TABLE: dict[str, dict[str, dict[str, Callable]]] = {
         },
         "cuda": {ANY: experts_backward},
     },
+    # (grad, x, weight, eps, wants) -> (dx, dw): the closed form, stock arithmetic (no bitwise
+    # contract); on CUDA one fused launch (trainer/forwards.py's RMSNorm backward)
+    "rms_norm_backward": {"cpu": {ANY: rms_norm_backward_ref}, "cuda": {ANY: _rms_norm_backward_cuda}},
     "rms_norm": {
         "cpu": {ANY: composite.rms_norm},
         "cuda": {"exact": _rms_norm_exact_cuda, "fast": _rms_norm_fast_cuda},

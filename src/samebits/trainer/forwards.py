@@ -12,9 +12,10 @@ each such module a forward that calls what the overrides would reach, directly:
   `rms_norm` (on CUDA one fused launch; its bits are the composite's inside the context).
 
 Outside `batch_invariant()` each module runs its own forward, so stock runs stay stock. The
-backward is written out on `out=` overloads (stock kernels, gradients carry no bitwise
-contract): on CUDA it runs on autograd's device thread, where every call of an overridden op
-(mm, sum.dim, mean.dim) would otherwise cross the overrides' Python wrapper.
+backwards are closed forms on stock kernels (gradients carry no bitwise contract): the linear's
+two GEMMs on `out=` overloads (on CUDA the backward runs on autograd's device thread, where
+every call of an op the overrides cover, mm, sum.dim, mean.dim, would cross their Python
+wrapper), the norm's the registry's `rms_norm_backward` (on CUDA one fused launch).
 """
 
 from __future__ import annotations
@@ -69,24 +70,10 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        """y = w * cast(x r), r = rsqrt(mean(x^2) + eps):
-        dx = r (g - xn mean(g xn)) with g = dy w, xn = x r; dw = sum over rows of dy cast(xn)."""
         x, weight = ctx.saved_tensors
-        x32 = x.float()
-        r = torch.rsqrt(_mean_last(x32 * x32) + ctx.eps)
-        xn = x32 * r
-        gx = gw = None
-        if ctx.needs_input_grad[0]:
-            g = grad.float() * weight.float()
-            gx = (r * (g - xn * _mean_last(g * xn))).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            rows = (grad.float() * xn.to(x.dtype).float()).reshape(-1, x.shape[-1])
-            gw = torch.sum(rows, 0, out=rows.new_empty(rows.shape[1])).to(weight.dtype)
-        return gx, gw, None
-
-
-def _mean_last(x: torch.Tensor) -> torch.Tensor:
-    return torch.mean(x, -1, keepdim=True, out=x.new_empty(*x.shape[:-1], 1))
+        wants = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        dx, dw = pick("rms_norm_backward", x.device.type)(grad, x, weight, ctx.eps, wants)
+        return dx, dw, None
 
 
 def _qwen3_rms_norm_code() -> types.CodeType:
