@@ -5,13 +5,14 @@
 At the Qwen3-30B-A3B experts shape (128 experts, top-8, H 2048, I 768) and T tokens routed at
 random, runs `experts_forward` with each (BLOCK_M, BLOCK_N, warps, stages), BLOCK_K fixed,
 compares the output bitwise with the small-batch configuration at every T, and times it at
-each T against the memory floor: the weights of the experts the batch touches, read once, at
-the copy bandwidth measured in the same run. A configuration whose bits equal the default's
-everywhere may enter the tile table (`kernels/experts_tiles.py`). The "auto" row is the
-table's choice; the "BLOCK_K 32" row is for information only (samebits never changes BLOCK_K;
-on the H200 the MMAs add K in 16-wide steps in order, so it may well keep the bits too), and so
-is the last row, torch's stock grouped GEMM (`experts_grouped_mm`, other bits by design: the
-fast profile ran it until it measured slower than the Triton kernel at every T here).
+each T against its floor: the larger of the weights of the experts the batch touches, read
+once at the copy bandwidth measured in the same run, and the FLOPs at the tensor peak. A
+configuration whose bits equal the default's everywhere may enter the tile table
+(`kernels/experts_tiles.py`). The "auto" row is the table's choice; the "BLOCK_K 32" row is
+for information only (samebits never changes BLOCK_K; on the H200 the MMAs add K in 16-wide
+steps in order, so it may well keep the bits too), and so is the last row, torch's stock
+grouped GEMM (`experts_grouped_mm`, other bits by design: the fast profile ran it until it
+measured slower than the Triton kernel at every T here).
 """
 
 from __future__ import annotations
@@ -24,24 +25,32 @@ from samebits.kernels.experts_tiles import SMALL_TILES
 from samebits.kernels.experts_triton import experts_forward
 
 E, K, H, INTER = 128, 8, 2048, 768
-CONFIGS = [  # (label, experts_forward keyword arguments); the first is the reference
-    (f"{SMALL_TILES} small", dict(tiles=SMALL_TILES)),
-    ("auto (tiles_for)", dict()),
-    ("BLOCK_K 32 (info)", dict(tiles=SMALL_TILES, block_k=32)),
-] + [
-    (str(tiles), dict(tiles=tiles))
-    for tiles in (
-        (16, 32, 4, 4),
-        (16, 64, 4, 4),
-        (32, 32, 4, 4),
-        (32, 64, 4, 3),
-        (64, 32, 4, 4),
-        (64, 128, 4, 3),
-        (128, 64, 8, 3),
-        (128, 128, 8, 3),
-    )
-]
-TOKENS = [1, 8, 64, 256, 512, 1024, 2048, 4096]
+CONFIGS = (
+    [  # (label, experts_forward keyword arguments); the first is the reference
+        (f"{SMALL_TILES} small", dict(tiles=SMALL_TILES)),
+        ("auto (tiles_for)", dict()),
+        ("BLOCK_K 32 (info)", dict(tiles=SMALL_TILES, block_k=32)),
+    ]
+    + [
+        (str(tiles), dict(tiles=tiles))
+        for tiles in (
+            (16, 32, 4, 4),
+            (16, 64, 4, 4),
+            (32, 32, 4, 4),
+            (32, 64, 4, 3),
+            (64, 32, 4, 4),
+            (64, 128, 4, 3),
+            (128, 64, 8, 3),
+            (128, 128, 8, 3),
+        )
+    ]
+    + [  # the row blocks in the grid (experts_triton._m_range): one program per block of an expert
+        (f"{tiles} rows in grid", dict(tiles=tiles, m_in_grid=True))
+        for tiles in ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4))
+    ]
+)
+TOKENS = [1, 8, 64, 256, 512, 1024, 2048, 4096, 8192]
+PEAK_TFLOPS = 989  # H100/H200 dense bf16 tensor peak: the FLOP floor of large T
 
 
 def main() -> None:
@@ -69,7 +78,8 @@ def main() -> None:
     floors = {}
     for t in TOKENS:
         touched = index[:t].unique().numel()
-        floors[t] = 1e6 * touched * per_expert / bw
+        flops = t * K * 3 * H * INTER * 2  # gate, up and down of every routed pair
+        floors[t] = max(1e6 * touched * per_expert / bw, flops / (PEAK_TFLOPS * 1e6))
         table.add_column(f"T={t} (floor {floors[t]:.0f} us)")
     for label, kw in CONFIGS:
         cells = []

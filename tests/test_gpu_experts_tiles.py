@@ -41,11 +41,13 @@ def _forward(inputs, rows=slice(None), **kw):
 @pytest.mark.parametrize("t", [8, 1023, 1024, T_BIG])
 def test_the_automatic_tiles_give_the_bits_of_either_entry_forced(inputs, t):
     """On both sides of the switch (1024 tokens at top-8), the table's choice, the small tiles
-    forced and the large tiles forced give one result, bit for bit."""
+    forced and the large tiles forced, each with the row blocks walked in a program or laid out
+    in the grid, give one result, bit for bit."""
     rows = slice(T_BIG - t, T_BIG)
     auto = _forward(inputs, rows)
-    assert torch.equal(auto, _forward(inputs, rows, tiles=SMALL_TILES)), t
-    assert torch.equal(auto, _forward(inputs, rows, tiles=LARGE_TILES)), t
+    for tiles in (SMALL_TILES, LARGE_TILES):
+        for m_in_grid in (False, True):  # an expert's row blocks walked by one program, or in the grid
+            assert torch.equal(auto, _forward(inputs, rows, tiles=tiles, m_in_grid=m_in_grid)), (t, tiles)
 
 
 def test_rows_of_a_prefill_sized_call_equal_the_same_rows_in_decode_sized_calls(inputs):

@@ -53,3 +53,14 @@ def tiles_for(pairs: int) -> tuple[int, int, int, int]:
         if pairs >= start:
             chosen = tiles
     return chosen
+
+
+# Row blocks in the launch grid (`experts_triton._m_range`) from this many pairs on: where an
+# expert has several BLOCK_M blocks, the programs of one weight tile then run side by side
+# instead of one program re-reading it per block. Not measured yet: off until it is.
+M_IN_GRID_FROM_PAIRS = None
+
+
+def m_in_grid_for(pairs: int) -> bool:
+    """Whether a call routing `pairs` pairs puts the experts' row blocks in the grid."""
+    return M_IN_GRID_FROM_PAIRS is not None and pairs >= M_IN_GRID_FROM_PAIRS

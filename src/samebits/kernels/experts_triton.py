@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from samebits.kernels.experts import route
-from samebits.kernels.experts_tiles import BLOCK_K, SMALL_TILES, tiles_for
+from samebits.kernels.experts_tiles import BLOCK_K, SMALL_TILES, m_in_grid_for, tiles_for
 from samebits.kernels.reduce import tree_sum_ref
 
 BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = SMALL_TILES  # the decode entry of the tile table
@@ -98,6 +98,38 @@ def slot_sum_kernel(per_slot_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.const
 
 
 @triton.jit
+def _m_range(
+    offsets_ptr, e, BLOCK_M: tl.constexpr, M_IN_GRID: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr
+):
+    """-> (expert, first row, end of this program's rows, end of the expert's rows).
+    M_IN_GRID=False: program axis 0 is the expert, which walks all its rows. M_IN_GRID=True:
+    axis 0 is a BLOCK_M block of some expert's rows (expert e's blocks follow expert e-1's;
+    programs past the last block get an empty range): the same row blocks, one a program, so
+    programs sharing an expert's weight tile run side by side and share it in L2."""
+    if M_IN_GRID:
+        b = e
+        experts = tl.arange(0, E_PAD)
+        ends = tl.load(offsets_ptr + 1 + experts, mask=experts < E, other=0)
+        starts = tl.load(offsets_ptr + experts, mask=experts < E, other=0)
+        blocks = tl.where(experts < E, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+        block_ends = tl.cumsum(blocks, 0)
+        e = tl.sum((block_ends <= b).to(tl.int32), 0)  # the expert whose blocks hold b
+        e_ok = e < E
+        e = tl.where(e_ok, e, 0)
+        first_block = tl.sum(tl.where(experts == e, block_ends - blocks, 0), 0)
+        start = tl.load(offsets_ptr + e)
+        end = tl.load(offsets_ptr + e + 1)
+        m_lo = start + (b - first_block) * BLOCK_M
+        m_hi = tl.where(e_ok, m_lo + 1, m_lo)  # one block, or none past the last
+    else:
+        start = tl.load(offsets_ptr + e)
+        end = tl.load(offsets_ptr + e + 1)
+        m_lo = start
+        m_hi = end
+    return e, m_lo, m_hi, end
+
+
+@triton.jit
 def gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -114,15 +146,16 @@ def gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    M_IN_GRID: tl.constexpr = False,
+    E: tl.constexpr = 1,
+    E_PAD: tl.constexpr = 1,
 ):
-    e = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    start = tl.load(offsets_ptr + e)
-    end = tl.load(offsets_ptr + e + 1)
+    e, m_lo, m_hi, end = _m_range(offsets_ptr, tl.program_id(0), BLOCK_M, M_IN_GRID, E, E_PAD)
     kk = tl.arange(0, BLOCK_K)
     w_gate = w_ptr + e.to(tl.int64) * stride_we + cols[None, :] * stride_wn + kk[:, None]  # [BK, BN]
     w_up = w_gate + INTER * stride_wn
-    for m0 in range(start, end, BLOCK_M):
+    for m0 in range(m_lo, m_hi, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         in_rows = rows < end
         token = tl.load(order_ptr + rows, mask=in_rows, other=0) // TOP_K
@@ -163,14 +196,15 @@ def down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    M_IN_GRID: tl.constexpr = False,
+    E: tl.constexpr = 1,
+    E_PAD: tl.constexpr = 1,
 ):
-    e = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    start = tl.load(offsets_ptr + e)
-    end = tl.load(offsets_ptr + e + 1)
+    e, m_lo, m_hi, end = _m_range(offsets_ptr, tl.program_id(0), BLOCK_M, M_IN_GRID, E, E_PAD)
     kk = tl.arange(0, BLOCK_K)
     w_tile = w_ptr + e.to(tl.int64) * stride_we + cols[None, :] * stride_wn + kk[:, None]  # [BK, BN]
-    for m0 in range(start, end, BLOCK_M):
+    for m0 in range(m_lo, m_hi, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         in_rows = rows < end
         h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_hn + kk[None, :]
@@ -197,6 +231,7 @@ def experts_forward(
     down_proj: torch.Tensor,  # [E, H, I]
     block_k: int = BLOCK_K,
     tiles: tuple[int, int, int, int] | None = None,
+    m_in_grid: bool | None = None,
 ) -> torch.Tensor:
     """Sum over k of `weight_k * down_e(silu(gate_e(x)) * up_e(x))` -> [T, H], batch invariant.
 
@@ -204,7 +239,9 @@ def experts_forward(
     fixed a row's bits do not depend on which entry ran (module docstring). `tiles` =
     (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the table for experiments and tests
     (`benchmarks/experts_configs.py`). `block_k` exists for experiments; samebits always
-    uses BLOCK_K.
+    uses BLOCK_K. `m_in_grid`: one program per (BLOCK_M rows of an expert, column tile)
+    instead of one per (expert, column tile) walking its rows (`_m_range`); the same row
+    blocks, so the same bits. None: `m_in_grid_for(T * K)`.
     """
     _check(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
     t, k = top_k_index.shape
@@ -214,8 +251,12 @@ def experts_forward(
     if t == 0:
         return hidden_states.new_zeros(0, h)
     order, offsets = _route(top_k_index, e)
+    in_grid = m_in_grid_for(t * k) if m_in_grid is None else m_in_grid
+    # M_IN_GRID: every expert's last block may be partial, so at most cdiv(pairs, BLOCK_M) + E blocks
+    rows_axis = triton.cdiv(t * k, block_m) + e if in_grid else e
+    grid_m = dict(M_IN_GRID=in_grid, E=e, E_PAD=triton.next_power_of_2(e))
     inter = torch.empty(t * k, i, dtype=hidden_states.dtype, device=hidden_states.device)
-    gate_up_kernel[(e, triton.cdiv(i, block_n))](
+    gate_up_kernel[(rows_axis, triton.cdiv(i, block_n))](
         hidden_states,
         gate_up_proj,
         inter,
@@ -233,9 +274,10 @@ def experts_forward(
         BLOCK_K=block_k,
         num_warps=warps,
         num_stages=stages,
+        **grid_m,
     )
     per_slot = torch.empty(t * k, h, dtype=torch.float32, device=hidden_states.device)
-    down_kernel[(e, triton.cdiv(h, block_n))](
+    down_kernel[(rows_axis, triton.cdiv(h, block_n))](
         inter,
         down_proj,
         per_slot,
@@ -253,6 +295,7 @@ def experts_forward(
         BLOCK_K=block_k,
         num_warps=warps,
         num_stages=stages,
+        **grid_m,
     )
     if k & (k - 1) or k > 16:
         return tree_sum_ref(per_slot.view(t, k, h), dim=1).to(hidden_states.dtype)
