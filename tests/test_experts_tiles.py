@@ -24,6 +24,13 @@ def test_the_switch_is_at_8192_pairs_and_the_two_entries_differ():
     assert SMALL_TILES != LARGE_TILES  # else the GPU tests across the switch compare a config with itself
 
 
+def test_row_blocks_go_in_the_grid_with_the_large_tiles():
+    """The grid layout (same row blocks, same bits: tests/test_gpu_experts_tiles.py) from the
+    large tiles' first batch on, never for decode batches."""
+    assert experts_tiles.m_in_grid_for(8192) and experts_tiles.m_in_grid_for(65536)
+    assert not experts_tiles.m_in_grid_for(8191) and not experts_tiles.m_in_grid_for(8)
+
+
 def test_the_table_holds_no_k_step_and_its_entries_are_launchable():
     """Entries are (BLOCK_M, BLOCK_N, warps, stages) only: BLOCK_K is one module constant, so no
     batch size can change an element's K order. Tiles are powers of two >= 16 (tl.dot)."""

@@ -17,26 +17,33 @@ keeps BLOCK_K fixed regardless, the one choice that could reorder K.)
 
 The entries, by routed (token, slot) pairs N = T * top_k (a function of the batch's token
 count T alone for a given model). Eager us at the Qwen3-30B-A3B shape (128 experts, top-8,
-H 2048, I 768), the whole layer's gate_up + down:
+H 2048, I 768), the whole layer's gate_up + down (H200, 2026-12-04, `experts_configs.py`;
+"grid": the row blocks in the launch grid, `m_in_grid_for`):
 
-    tiles               T=256  T=1024  T=4096
-    (64, 64, 4, 3)        341     623    1917   <- N < 8192 (decode; prefill under 1024 tokens)
-    (128, 128, 8, 3)      447     579    1384   <- N >= 8192 (prefill chunks, trainer packs)
+    tiles                       T=256  T=1024  T=2048  T=4096  T=8192
+    (64, 64, 4, 3)                329     645    1077    1937    3709  <- N < 8192 (decode)
+    (128, 128, 8, 3)              434     583     865    1402    2497     (the table until then)
+    (128, 128, 8, 3) grid         440     586     788    1205    2066
+    (128, 128, 8, 4) grid         401     559     724    1113    1959  <- N >= 8192 (prefill)
+
+The last is 0.78-0.79x the old large entry at T >= 4096: 6.2 x 10^11 FLOP in 1,959 us at
+T = 8192, 316 TFLOP/s, a third of the tensor peak. Every entry gave the default's bits.
 
 At decode sizes the large tiles leave most of each 128-row tile empty (T * 8 / 128
 experts = 16 rows per expert at T = 256). (128, 64, 8, 3) measured 550 / 1444 us at
 T = 1024 / 4096: 5% faster than (128, 128) at 1024, 4% slower at 4096, one eager sample
 each and no point between, so no middle entry until a run at T = 2048 says where they
-cross. Shared memory: (128, 128, 8, 3) with BLOCK_K 64 in bf16 needs about 144 KB
-(3 stages x (x tile + gate and up tiles)); it fits on H100/H200 (227 KB), not on GPUs with
-about 100 KB a block.
+cross. Shared memory: (128, 128, 8, 4) with BLOCK_K 64 in bf16 needs about 192 KB
+(4 stages x (x tile + gate and up tiles)); it fits on H100/H200 (227 KB a block); the
+launcher takes fewer stages on a GPU with less (`experts_triton._stages_that_fit`), which
+changes no bit.
 """
 
 from __future__ import annotations
 
 BLOCK_K = 64  # the K step of both kernels, for every batch: fixes each element's K order
 SMALL_TILES = (64, 64, 4, 3)  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
-LARGE_TILES = (128, 128, 8, 3)
+LARGE_TILES = (128, 128, 8, 4)
 # (first N = routed pairs, tiles), starts increasing: the last entry whose start <= N is used
 TILES_FROM_PAIRS = ((0, SMALL_TILES), (8192, LARGE_TILES))  # 8192 pairs = 1024 tokens at top-8
 
@@ -55,10 +62,10 @@ def tiles_for(pairs: int) -> tuple[int, int, int, int]:
     return chosen
 
 
-# Row blocks in the launch grid (`experts_triton._m_range`) from this many pairs on: where an
-# expert has several BLOCK_M blocks, the programs of one weight tile then run side by side
-# instead of one program re-reading it per block. Not measured yet: off until it is.
-M_IN_GRID_FROM_PAIRS = None
+# Row blocks in the launch grid (`experts_triton._m_range`) from this many pairs on (the large
+# tiles' range): where an expert has several BLOCK_M blocks, the programs of one weight tile
+# then run side by side instead of one program re-reading the tile for each of its blocks.
+M_IN_GRID_FROM_PAIRS = 8192
 
 
 def m_in_grid_for(pairs: int) -> bool:

@@ -246,6 +246,7 @@ def experts_forward(
     _check(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
     t, k = top_k_index.shape
     block_m, block_n, warps, stages = tiles or tiles_for(t * k)
+    stages = _stages_that_fit(hidden_states.device, block_m, block_n, block_k, stages)
     e, two_i, h = gate_up_proj.shape
     i = two_i // 2
     if t == 0:
@@ -305,6 +306,22 @@ def experts_forward(
 
 
 SLOT_BLOCK_H = 512
+_SHARED: dict[torch.device, int] = {}
+
+
+def _stages_that_fit(device: torch.device, block_m: int, block_n: int, block_k: int, stages: int) -> int:
+    """`stages`, or fewer where the device's shared memory a block cannot hold that many copies
+    of gate_up's tiles (x [BM, BK] and gate and up [BK, BN], 2 bytes an element). Stages only
+    pipeline the loads: no element's K order, so no bit, depends on them."""
+    if device.type != "cuda":
+        return stages
+    if device not in _SHARED:  # 0: this torch does not say; the stages are taken as they are
+        props = torch.cuda.get_device_properties(device)
+        _SHARED[device] = getattr(props, "shared_memory_per_block_optin", 0)
+    if not _SHARED[device]:
+        return stages
+    per_stage = (block_m * block_k + 2 * block_k * block_n) * 2
+    return max(2, min(stages, _SHARED[device] // per_stage))
 
 
 def _route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
