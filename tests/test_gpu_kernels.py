@@ -203,7 +203,7 @@ def test_triton_experts_rows_do_not_depend_on_the_batch():
 
 
 def test_triton_experts_backward_matches_float64():
-    from samebits.numerics.ops import experts  # the Triton forward, the grouped_mm recompute's backward
+    from samebits.numerics.ops import experts  # the Triton forward, the closed-form backward
 
     x, index, weights, gate_up, down = _experts_inputs(64, e=8, k=2, h=256, i=128, seed=5)
     leaves = [t.float().requires_grad_() for t in (x, weights, gate_up, down)]

@@ -263,7 +263,11 @@ def _trainer_ms(model, log) -> dict[str, float]:
     out = {}
     for name, impl, exact in (
         (EXACT_TRAINER, {}, True),
-        (STOCK_TRAINER, {"experts_implementation": "grouped_mm", "attn_implementation": "sdpa"}, False),
+        (
+            STOCK_TRAINER,
+            {"experts_implementation": "grouped_mm", "attn_implementation": "sdpa", "samebits_forwards": False},
+            False,
+        ),
     ):
         m = trainer.load_hf_model(model, device="cuda", **impl)
         for n, p in m.named_parameters():  # experts frozen: their grads alone would not fit beside them

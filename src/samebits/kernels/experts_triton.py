@@ -3,7 +3,8 @@
 The (token, slot) pairs are sorted by expert on the device (no host sync, so
 the step can be captured in a CUDA graph). `gate_up_kernel` gives each program
 one expert and one tile of I columns; it walks that expert's rows in BLOCK_M
-chunks and H in BLOCK_K steps, for the gate and the up half at once, and writes
+chunks (from 8192 pairs, one chunk a program: `_m_range`) and H in BLOCK_K
+steps, for the gate and the up half at once, and writes
 `act(gate) * up` (each rounded to the activation dtype, as transformers rounds
 them). `down_kernel` does the same over I for the down projection, keeps the
 result in fp32, multiplies it by the routing weight in fp32 and stores it at the
@@ -17,10 +18,10 @@ are read in place in the transformers layout: gate_up_proj [E, 2I, H] ([gate;
 up] on dim 1), down_proj [E, H, I].
 
 This module is the forward only. The `samebits::experts` op
-(`samebits.numerics.ops`) gives it a backward that recomputes the expert forward
-with `experts.experts_grouped_mm` and differentiates that: gradients reach the
-hidden states, the routing weights and both expert weights. Only the forward
-carries the bitwise contract.
+(`samebits.numerics.ops`) gives it a backward, the closed form of
+`experts_backward.experts_backward` on grouped GEMMs: gradients reach the hidden
+states, the routing weights and both expert weights. Only the forward carries the
+bitwise contract.
 
 Shapes: T = tokens, K = top-k, N = T*K pairs, E = experts, H = hidden,
 I = expert intermediate.
