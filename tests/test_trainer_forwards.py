@@ -2,8 +2,9 @@
 
 Claim, bitwise: inside `batch_invariant()` a model with them gives the log-probs of the same
 model on transformers' own module forwards, packed and one sequence at a time; outside it, the
-stock forwards run. Control: the same swap with one rounding of the RMSNorm moved (h rounded
-after the weight product instead of before, as some RMSNorm variants do) changes the bits.
+stock forwards run. Controls: the same swap with one rounding of the RMSNorm moved (h rounded
+after the weight product instead of before, as some RMSNorm variants do), or with the linears
+summing K from the other end, changes the bits.
 Gradients carry no bitwise contract: the closed-form backwards are checked against autograd in
 float32.
 """
@@ -65,6 +66,16 @@ def test_control_a_norm_rounding_moved_changes_the_bits(pair, monkeypatch):
 
     real = forwards.pick
     monkeypatch.setattr(forwards, "pick", lambda op, device: moved if op == "rms_norm" else real(op, device))
+    got, want = _logprobs(fast, True), _logprobs(plain, True)
+    assert any(not torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_control_a_linear_summing_k_in_another_order_changes_the_bits(pair, monkeypatch):
+    """The same products, each row's K summed from the other end (the registry's matmul on
+    both operands reversed along K): other bits, so the equality above sees the linears' order."""
+    plain, fast = pair
+    real = forwards._matmul
+    monkeypatch.setattr(forwards, "_matmul", lambda x, w: real(x.flip(-1), w.flip(-1)))
     got, want = _logprobs(fast, True), _logprobs(plain, True)
     assert any(not torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
