@@ -35,12 +35,12 @@ def pair(checkpoints):
 def test_every_linear_and_norm_changed_once(pair):
     plain, fast = pair
     layers = fast.config.num_hidden_layers
-    swapped = [m for m in fast.modules() if "forward" in m.__dict__]
+    swapped = [m for m in fast.modules() if isinstance(m, forwards._Swapped)]
     # per layer q/k/v/o and four norms (input, post-attention, q, k); the final norm; the lm_head
     assert len(swapped) == 8 * layers + 2 + sum(
         isinstance(m, torch.nn.Linear) for layer in fast.model.layers for m in layer.mlp.modules()
     )
-    assert not any("forward" in m.__dict__ for m in plain.modules())
+    assert not any(isinstance(m, forwards._Swapped) for m in plain.modules())
     assert forwards.use_samebits_forwards(fast) == 0  # idempotent
 
 
@@ -49,6 +49,61 @@ def test_same_bits_as_transformers_forwards(pair, packed):
     plain, fast = pair
     want, got = _logprobs(plain, packed), _logprobs(fast, packed)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_the_differentiable_path_gives_the_same_bits(checkpoints):
+    """With gradients on (the update's forward), the swapped modules run their autograd
+    Functions: the log-probs are still transformers' bits."""
+    path = checkpoints["mixed"]
+    models = [trainer.load_hf_model(path, samebits_forwards=flag).train() for flag in (False, True)]
+    with batch_invariant():
+        want, got = (trainer.token_logprobs(m, SEQS, PROMPT_LENS, packed=True, with_grad=True) for m in models)
+    assert got[0].requires_grad
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(got, want, strict=True))
+
+
+def test_under_autocast_the_modules_own_forwards_run(checkpoints):
+    """Autocast casts a linear's inputs in aten, before the overrides: a float32 model under
+    bf16 autocast (fp32 master weights, as HF Trainer with bf16=True runs) gives transformers'
+    bits because the swapped modules step aside."""
+    path = checkpoints["fp32"]
+    models = [trainer.load_hf_model(path, dtype=torch.float32, samebits_forwards=f) for f in (False, True)]
+    with batch_invariant(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = (trainer.token_logprobs(m, SEQS, PROMPT_LENS, packed=True) for m in models)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_save_and_copy_give_the_transformers_classes(pair, tmp_path):
+    """A saved or copied model holds transformers' classes again (the pickle names no samebits
+    class), with the same weights and, under batch_invariant(), the same bits."""
+    import copy
+
+    plain, fast = pair
+    torch.save(fast, tmp_path / "model.pt")
+    assert b"SamebitsLinear" not in (tmp_path / "model.pt").read_bytes()
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    for other in (loaded, copy.deepcopy(fast), copy.copy(fast.lm_head)):
+        assert not any(isinstance(m, forwards._Swapped) for m in other.modules())
+    assert type(loaded.model.norm) is type(plain.model.norm)
+    assert all(torch.equal(a, b) for a, b in zip(_logprobs(loaded, True), _logprobs(plain, True), strict=True))
+
+
+def test_other_rms_norms_are_left_alone():
+    """A norm whose forward is not Qwen3's (Gemma's `(1 + weight)` form) keeps its own forward."""
+
+    class GemmaStyleRMSNorm(torch.nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.weight, self.variance_epsilon = torch.nn.Parameter(torch.zeros(n)), 1e-6
+
+        def forward(self, hidden_states):
+            h = hidden_states.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return (h * (1.0 + self.weight.float())).to(hidden_states.dtype)
+
+    model = torch.nn.Sequential(GemmaStyleRMSNorm(8), torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(4, 2))
+    assert forwards.use_samebits_forwards(model) == 1  # the bias-free linear only
+    assert type(model[0]) is GemmaStyleRMSNorm and type(model[2]) is torch.nn.Linear
 
 
 def test_outside_batch_invariant_the_stock_forwards_run(pair):
@@ -103,7 +158,7 @@ def test_the_omni_thinker_text_norms_are_recognized(tmp_path):
     model = trainer.load_hf_thinker(build_tiny_omni_checkpoint(tmp_path / "omni", seed=0, layout="thinker"))
     text = model.model.language_model
     norms = [m for m in text.modules() if type(m).__name__.endswith("RMSNorm")]
-    assert norms and all("forward" in m.__dict__ for m in norms)
+    assert norms and all(isinstance(m, forwards._Swapped) for m in norms)
 
 
 @pytest.mark.gpu
@@ -117,3 +172,5 @@ def test_on_cuda_same_bits_and_the_control_differs(checkpoints, monkeypatch):
         want, got = _logprobs(plain, packed), _logprobs(fast, packed)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), packed
     test_control_a_norm_rounding_moved_changes_the_bits((plain, fast), monkeypatch)
+    monkeypatch.undo()
+    test_control_a_linear_summing_k_in_another_order_changes_the_bits((plain, fast), monkeypatch)

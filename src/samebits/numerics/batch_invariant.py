@@ -68,6 +68,7 @@ _KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 
 _lock = threading.Lock()
 _lib: torch.library.Library | None = None
+_devices: tuple[str, ...] = ()  # the device types whose kernels the overrides replaced
 _warned: set[str] = set()
 
 
@@ -118,8 +119,10 @@ def _implementations(device: str) -> dict[str, Callable]:
 
 
 def _install() -> torch.library.Library:
+    global _devices
     lib = torch.library.Library("aten", "IMPL")
     devices = ("cpu", "cuda") if triton_available() else ("cpu",)
+    _devices = devices
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "overriding a previously registered kernel"
         for device in devices:
@@ -131,6 +134,11 @@ def _install() -> torch.library.Library:
 def installed() -> bool:
     """Whether the overrides are registered (they are, from the first entry on, for good)."""
     return _lib is not None
+
+
+def installed_for(device_type: str) -> bool:
+    """Whether the overrides replace the kernels of `device_type` ("cpu"; "cuda" where Triton is)."""
+    return device_type in _devices
 
 
 def is_active() -> bool:

@@ -3,15 +3,17 @@
 Inside `batch_invariant()` a transformers RMSNorm is eight aten ops, its mean routed through the
 overrides' Python wrapper to the tree sum, and a linear is aten's `linear` -> `mm` -> the
 wrapper -> the row-invariant matmul. The trainer is bound by that host work at RL micro-batch
-sizes (docs/perf-notes.md, "The trainer is host-bound"). `use_samebits_forwards(model)` gives
-each such module a forward that calls what the overrides would reach, directly:
+sizes (docs/perf-notes.md, "The trainer is host-bound"). `use_samebits_forwards(model)` swaps
+each such module's class for a subclass whose forward calls what the overrides would reach,
+directly:
 
 - a bias-free `nn.Linear`: the registry's row-invariant `matmul(x, w.T)`, the very call the
   `mm` override makes for `F.linear`;
 - an RMSNorm whose forward is transformers' Qwen3 one (compared by code object): the registry's
   `rms_norm` (on CUDA one fused launch; its bits are the composite's inside the context).
 
-Outside `batch_invariant()` each module runs its own forward, so stock runs stay stock. The
+Outside `batch_invariant()`, under autocast (which casts inputs in aten, before the overrides)
+and on devices the overrides do not cover, each module runs its own forward. The
 backwards are closed forms on stock kernels (gradients carry no bitwise contract): the linear's
 two GEMMs on `out=` overloads (on CUDA the backward runs on autograd's device thread, where
 every call of an op the overrides cover, mm, sum.dim, mean.dim, would cross their Python
@@ -20,12 +22,14 @@ wrapper), the norm's the registry's `rms_norm_backward` (on CUDA one fused launc
 
 from __future__ import annotations
 
+import copyreg
 import types
 
 import torch
 from torch import nn
 
 from samebits.numerics import scope
+from samebits.numerics.batch_invariant import installed_for
 from samebits.numerics.registry import pick
 
 
@@ -53,12 +57,44 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if not scope.invariant_depth() or x.dtype != self.weight.dtype:
-        return nn.Linear.forward(self, x)
-    if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-        return _Linear.apply(x, self.weight)
-    return _matmul(x, self.weight)
+def _direct(x: torch.Tensor) -> bool:
+    """Whether a swapped module calls samebits' kernels: inside batch_invariant(), on a device
+    whose overrides are installed (there the module's own forward reaches the same kernels),
+    and outside autocast (which casts a module's inputs in aten, before the overrides)."""
+    return (
+        bool(scope.invariant_depth())
+        and installed_for(x.device.type)
+        and not torch.is_autocast_enabled(x.device.type)
+    )
+
+
+def _grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+class _Swapped:
+    """Mixin of the swapped classes. Pickled (and copied) as the transformers class it came
+    from: a loaded or copied module runs transformers' forward, which has the same bits."""
+
+    _samebits_base: type
+
+    def __reduce_ex__(self, protocol):
+        # what pickle writes for any object of the base class: no reference to samebits
+        return copyreg._reconstructor, (self._samebits_base, object, None), self.__dict__.copy()
+
+
+class SamebitsLinear(_Swapped, nn.Linear):
+    """A bias-free `nn.Linear` whose forward calls the row-invariant matmul directly inside
+    batch_invariant() (module docstring)."""
+
+    _samebits_base = nn.Linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _direct(x) or x.dtype != self.weight.dtype:
+            return super().forward(x)
+        if _grad(x, self.weight):
+            return _Linear.apply(x, self.weight)
+        return _matmul(x, self.weight)
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -74,6 +110,27 @@ class _RMSNorm(torch.autograd.Function):
         wants = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         dx, dw = pick("rms_norm_backward", x.device.type)(grad, x, weight, ctx.eps, wants)
         return dx, dw, None
+
+
+def _rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if not _direct(x):
+        return self._samebits_base.forward(self, x)
+    if _grad(x, self.weight):
+        return _RMSNorm.apply(x, self.weight, self.variance_epsilon)
+    return pick("rms_norm", x.device.type)(x, self.weight, self.variance_epsilon)
+
+
+_NORM_CLASSES: dict[type, type] = {}  # transformers norm class -> its swapped subclass
+
+
+def _swapped_norm_class(cls: type) -> type:
+    if cls not in _NORM_CLASSES:
+        _NORM_CLASSES[cls] = type(
+            f"Samebits{cls.__name__}",
+            (_Swapped, cls),
+            {"_samebits_base": cls, "forward": _rms_norm_forward, "__module__": __name__},
+        )
+    return _NORM_CLASSES[cls]
 
 
 def _qwen3_rms_norm_code() -> types.CodeType:
@@ -95,28 +152,19 @@ def _is_qwen3_rms_norm(module: nn.Module, reference: types.CodeType) -> bool:
     )
 
 
-def _rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if not scope.invariant_depth():
-        return type(self).forward(self, x)
-    if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-        return _RMSNorm.apply(x, self.weight, self.variance_epsilon)
-    return pick("rms_norm", x.device.type)(x, self.weight, self.variance_epsilon)
-
-
 def use_samebits_forwards(model: nn.Module) -> int:
     """Give every bias-free `nn.Linear` and every Qwen3-form RMSNorm in `model` samebits' forward
-    (module docstring); -> how many modules changed. Idempotent; the parameters are untouched."""
+    (module docstring) by swapping its class for a subclass -> how many modules changed.
+    Idempotent; parameters, buffers and hooks are untouched; `torch.save` and `copy` give the
+    transformers classes back."""
     reference = _qwen3_rms_norm_code()
     changed = 0
     for module in model.modules():
         if type(module) is nn.Linear and module.bias is None:
-            forward = _linear_forward
-        elif _is_qwen3_rms_norm(module, reference):
-            forward = _rms_norm_forward
+            module.__class__ = SamebitsLinear
+        elif not isinstance(module, _Swapped) and _is_qwen3_rms_norm(module, reference):
+            module.__class__ = _swapped_norm_class(type(module))
         else:
             continue
-        bound = getattr(module.forward, "__func__", None)
-        if bound is not forward:
-            module.forward = types.MethodType(forward, module)
-            changed += 1
+        changed += 1
     return changed
