@@ -62,20 +62,6 @@ def test_a_thread_that_did_not_enter_gets_stock_kernels():
     assert not torch.equal(seen["mm"], mine)
 
 
-def test_scope_stock_suspends_the_context_in_its_block_and_restores_it():
-    from samebits.numerics import scope
-
-    row, b = torch.randn(1, 96, generator=_g(0)), torch.randn(96, 384, generator=_g(1))
-    with batch_invariant(), batch_invariant():
-        with scope.stock():
-            assert not is_active()
-            stock = torch.mm(row, b)
-        assert scope.invariant_depth() == 2
-        inside = torch.mm(row, b)
-    assert torch.equal(stock, _stock_mm(row, b)) and torch.equal(inside, matmul_ref(row, b))
-    assert not torch.equal(stock, inside)  # the two kernels' bits differ at this width
-
-
 def test_entering_per_step_does_not_register_again(monkeypatch):
     with batch_invariant():
         pass

@@ -12,7 +12,7 @@ Backward, given g = dL/dout:
     u_p = g_t D_e                       (GEMM 2; y itself is never rebuilt)
     dw_tk = <g_t, y_p> = <u_p, a_p>
     da_p = w_tk u_p;   dgate = da up silu'(gate);   dup = da silu(gate)
-    dx_t = sum_k [dgate; dup]_p GU_e    (GEMM 3; the k slots summed in fp32 in slot order)
+    dx_t = sum_k [dgate; dup]_p GU_e    (GEMM 3; the k slots summed in fp32)
     dGU_e = sum_p [dgate; dup]_p^T x_t, dD_e = sum_p (w_tk g_t)^T a_p   (only when wanted)
 
 Reductions use `out=` overloads: on CUDA the backward runs on autograd's device thread, where
@@ -63,7 +63,8 @@ def experts_backward(
     gmm: GroupedMM = torch._grouped_mm,
 ) -> tuple[torch.Tensor | None, ...]:
     """-> (d hidden [T, H], d weights [T, K], d gate_up [E, 2I, H], d down [E, H, I]), None
-    where not wanted: the gradients of `experts_grouped_mm` (SiLU) in three grouped GEMMs."""
+    where not wanted: the gradients of `experts_grouped_mm` (SiLU) in three grouped GEMMs, five
+    when the expert weights want theirs (returned contiguous, in the parameters' layout)."""
     t, k = top_k_index.shape
     if t == 0:
         zeros = (hidden_states, top_k_weights, gate_up_proj, down_proj)
@@ -91,7 +92,7 @@ def experts_backward(
         dw = _sum(u.to(acc) * a.to(acc), -1, acc)  # [N]
         grads[1] = torch.zeros_like(dw).index_copy_(0, order, dw).view(t, k).to(top_k_weights.dtype)
     if wants[2]:
-        grads[2] = gmm(xs.t(), dh, offs=offs).transpose(1, 2)  # [E, H, 2I] -> [E, 2I, H]
+        grads[2] = gmm(dh.t(), xs, offs=offs)  # [E, 2I, H], the parameter's own layout
     if wants[3]:
-        grads[3] = gmm(a.t(), gs * ws[:, None], offs=offs).transpose(1, 2)  # [E, I, H] -> [E, H, I]
+        grads[3] = gmm((gs * ws[:, None]).t(), a, offs=offs)  # [E, H, I]
     return tuple(grads)

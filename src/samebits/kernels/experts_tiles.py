@@ -30,13 +30,12 @@ The last is 0.78-0.79x the old large entry at T >= 4096: 6.2 x 10^11 FLOP in 1,9
 T = 8192, 316 TFLOP/s, a third of the tensor peak. Every entry gave the default's bits.
 
 At decode sizes the large tiles leave most of each 128-row tile empty (T * 8 / 128
-experts = 16 rows per expert at T = 256). (128, 64, 8, 3) measured 550 / 1444 us at
-T = 1024 / 4096: 5% faster than (128, 128) at 1024, 4% slower at 4096, one eager sample
-each and no point between, so no middle entry until a run at T = 2048 says where they
-cross. Shared memory: (128, 128, 8, 4) with BLOCK_K 64 in bf16 needs about 192 KB
-(4 stages x (x tile + gate and up tiles)); it fits on H100/H200 (227 KB a block); the
-launcher takes fewer stages on a GPU with less (`experts_triton._stages_that_fit`), which
-changes no bit.
+experts = 16 rows per expert at T = 256). Between the entries: at T = 1024 the small tiles
+with grid rows measured 541 us against the large entry's 559 (3%, one eager sample), and the
+large entry wins from T = 2048 (724 against 792), so no middle entry. Shared memory:
+(128, 128, 8, 4) with BLOCK_K 64 in bf16 needs about 192 KB (4 stages x (x tile + gate and
+up tiles)); it fits on H100/H200 (227 KB a block); the launcher takes fewer stages on a GPU
+with less (`experts_triton._stages_that_fit`), which changes no bit.
 """
 
 from __future__ import annotations
@@ -70,4 +69,4 @@ M_IN_GRID_FROM_PAIRS = 8192
 
 def m_in_grid_for(pairs: int) -> bool:
     """Whether a call routing `pairs` pairs puts the experts' row blocks in the grid."""
-    return M_IN_GRID_FROM_PAIRS is not None and pairs >= M_IN_GRID_FROM_PAIRS
+    return pairs >= M_IN_GRID_FROM_PAIRS

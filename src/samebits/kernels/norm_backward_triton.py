@@ -75,6 +75,11 @@ def rms_norm_backward(
         raise ValueError(
             f"rms_norm_backward: rows of 1..{MAX_WIDTH} elements of a CUDA tensor, got {tuple(x.shape)}"
         )
+    if grad.shape != x.shape or weight.shape != (x.shape[-1],) or not weight.is_contiguous():
+        raise ValueError(
+            f"rms_norm_backward: grad {tuple(grad.shape)} and x {tuple(x.shape)} must match and weight "
+            f"{tuple(weight.shape)} be a contiguous [{x.shape[-1]}]"
+        )
     n = x.shape[-1]
     x2, dy2 = (t.reshape(-1, n) for t in (x, grad))
     x2, dy2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, dy2))

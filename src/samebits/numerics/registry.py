@@ -341,8 +341,6 @@ TABLE: dict[str, dict[str, dict[str, Callable]]] = {
         "cpu": {"exact": experts_ref, "fast": experts_stock_ref},
         "cuda": {"exact": _experts_triton, "fast": _experts_triton},
     },
-    # what the experts' backward recomputes and differentiates (run inside batch_invariant()
-    # when the forward was exact; on CUDA grouped_mm on stock kernels regardless)
     # (grad_out, x, index, weights, gate_up, down, wants) -> the four gradients. CPU: autograd
     # through a recompute of the forward (the exact twin's bits inside batch_invariant()); CUDA:
     # the closed form on grouped GEMMs, stock kernels (gradients carry no bitwise contract)

@@ -9,9 +9,7 @@ runs the backward on the calling thread, inside the context).
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 
 _tls = threading.local()
 
@@ -23,18 +21,6 @@ def invariant_depth() -> int:
 
 def add_invariant(step: int) -> None:
     _tls.depth = invariant_depth() + step
-
-
-@contextlib.contextmanager
-def stock() -> Iterator[None]:
-    """Stock kernels in this thread until the block ends, inside `batch_invariant()` or not
-    (for work with no bitwise contract, such as what a backward differentiates)."""
-    depth = invariant_depth()
-    _tls.depth = 0
-    try:
-        yield
-    finally:
-        _tls.depth = depth
 
 
 def profile_name() -> str:
