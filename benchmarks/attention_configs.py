@@ -25,6 +25,7 @@ import triton
 
 from samebits.kernels import attention_triton as at
 from samebits.kernels.attention_plan import plan
+from samebits.kernels.device_facts import sm_count
 
 H, KVH, D, PAGE = 32, 4, 128, 16
 DEFAULT_LAUNCH = (at.NUM_WARPS, at.NUM_STAGES)
@@ -78,7 +79,7 @@ def _decode_batch(b, context, baseline, launches, bw) -> dict:
     q, k, v, meta = _inputs(b, context)
     row = {"floor_us": 1e6 * 2 * b * context * KVH * D * 2 / bw}
     ref = at.attention(q, k, v, *meta, 1, D**-0.5, PAGE)
-    path = plan(1, b, KVH, H // KVH, D, q.dtype, at._sms(q.device))
+    path = plan(1, b, KVH, H // KVH, D, q.dtype, sm_count(q.device))
     row["default"] = f"split={path.split}, transposed={path.transposed}"
 
     def call(split=None, tr=None):

@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from samebits.kernels.attention_plan import BLOCK_M, plan
+from samebits.kernels.device_facts import sm_count
 
 BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 4, 3  # stages: measured (3 and 4 tie; 2 is 13% slower)
 # Keys per chunk. Every path splits a row's keys into chunks [0, CHUNK), [CHUNK, 2 CHUNK), ...;
@@ -377,7 +378,7 @@ def attention(
     if t == 0 or b == 0 or max_q_len == 0:
         return out
     block_d = max(16, triton.next_power_of_2(d))
-    path = plan(max_q_len, b, kvh, g, d, q.dtype, _sms(q.device), split, transposed)
+    path = plan(max_q_len, b, kvh, g, d, q.dtype, sm_count(q.device), split, transposed)
     split, transposed, rows, tokens_per_tile = path.split, path.transposed, path.rows, path.tokens_per_tile
     chunks = triton.cdiv(block_table.shape[1] * page_size, chunk)  # a bound on any sequence's chunks
     if split:
@@ -403,19 +404,6 @@ def attention(
             BLOCK_M=BLOCK_M, num_warps=NUM_WARPS, enable_fp_fusion=False, **shape,
         )  # fmt: skip
     return out
-
-
-_SMS: dict[torch.device, int] = {}
-
-
-def _sms(device: torch.device) -> int:
-    """The device's SM count (off CUDA, Triton's interpreter: 8): `plan` splits a call's keys
-    below that many programs."""
-    if device not in _SMS:
-        _SMS[device] = (
-            torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-        )
-    return _SMS[device]
 
 
 def paged_attention(

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from samebits.kernels.device_facts import shared_memory_per_block
 from samebits.kernels.experts import route
 from samebits.kernels.experts_tiles import BLOCK_K, SMALL_TILES, m_in_grid_for, tiles_for
 from samebits.kernels.reduce import tree_sum_ref
@@ -307,22 +308,17 @@ def experts_forward(
 
 
 SLOT_BLOCK_H = 512
-_SHARED: dict[torch.device, int] = {}
 
 
 def _stages_that_fit(device: torch.device, block_m: int, block_n: int, block_k: int, stages: int) -> int:
     """`stages`, or fewer where the device's shared memory a block cannot hold that many copies
     of gate_up's tiles (x [BM, BK] and gate and up [BK, BN], 2 bytes an element). Stages only
     pipeline the loads: no element's K order, so no bit, depends on them."""
-    if device.type != "cuda":
-        return stages
-    if device not in _SHARED:  # 0: this torch does not say; the stages are taken as they are
-        props = torch.cuda.get_device_properties(device)
-        _SHARED[device] = getattr(props, "shared_memory_per_block_optin", 0)
-    if not _SHARED[device]:
+    shared = shared_memory_per_block(device)
+    if not shared:  # unknown here: the stages are taken as they are
         return stages
     per_stage = (block_m * block_k + 2 * block_k * block_n) * 2
-    return max(2, min(stages, _SHARED[device] // per_stage))
+    return max(2, min(stages, shared // per_stage))
 
 
 def _route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,9 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
+from samebits.kernels.device_facts import sm_count
+
 MAX_WIDTH = 8192  # one row in registers
 _PROGRAMS_PER_SM = 4
-_SMS: dict[torch.device, int] = {}
 
 
 @triton.jit
@@ -89,9 +90,7 @@ def rms_norm_backward(
         return None, None
     if rows == 0:
         return (dx.view(x.shape) if wants[0] else None), (torch.zeros_like(weight) if wants[1] else None)
-    if x.device not in _SMS:
-        _SMS[x.device] = torch.cuda.get_device_properties(x.device).multi_processor_count
-    programs = min(rows, _PROGRAMS_PER_SM * _SMS[x.device])
+    programs = min(rows, _PROGRAMS_PER_SM * sm_count(x.device))
     per_program = triton.cdiv(rows, programs)
     programs = triton.cdiv(rows, per_program)
     part = torch.empty(programs, n, dtype=torch.float32, device=x.device) if wants[1] else x2

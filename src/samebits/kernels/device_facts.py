@@ -1,0 +1,27 @@
+"""Facts about a device that launchers size their grids and pipelines by, read once per device.
+
+Off CUDA (Triton's CPU interpreter, in development) the SM count is 8 and the shared memory
+unknown (0). Neither ever decides a bit: they pick how many programs run, or how many loads
+are in flight, never an element's reduction order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (8 off CUDA)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+@functools.cache
+def shared_memory_per_block(device: torch.device) -> int:
+    """Bytes of shared memory one block may opt in to on `device`; 0 where unknown (off CUDA,
+    or a torch that does not report it)."""
+    if device.type != "cuda":
+        return 0
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
