@@ -26,6 +26,7 @@ The aten overrides of `batch_invariant()` follow the same table: `matmul`, `bmm`
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from collections.abc import Callable
 
@@ -54,8 +55,10 @@ def _lazy(module: str, name: str) -> Callable:
     return call
 
 
+@functools.cache
 def triton_available() -> bool:
-    """Whether the CUDA implementations can run here (CUDA and Triton both present)."""
+    """Whether the CUDA implementations can run here (CUDA and Triton both present). Asked on
+    every op call of several paths, so answered once per process."""
     try:
         import triton  # noqa: F401
     except ImportError:
