@@ -20,6 +20,7 @@ import torch
 
 from samebits import LLM, SamplingParams, batch_invariant, trainer
 from samebits.model.loader import load_state_dict, save_tensor_stream
+from samebits.trainer import forwards
 from samebits.verify import make_prompts
 
 HIDDEN, EXPERTS, TOP_K, MOE_INTER = 2048, 128, 8, 768
@@ -171,6 +172,24 @@ def test_wide_trainer_packed_and_one_at_a_time_equal_the_engine(wide, exact):
             lps = _recompute(model, batched, packed)
             for out, lp in zip(batched, lps, strict=True):
                 assert torch.equal(out.logprobs, lp), (packed, (out.logprobs != lp).sum())
+    assert any(isinstance(m, forwards._Swapped) for m in model.modules())  # samebits' forwards ran
+
+
+def test_wide_control_trainer_forwards_on_stock_gemms_depend_on_packing(wide, exact, monkeypatch):
+    """The trainer's swapped linears (`trainer/forwards.py`) with a stock GEMM in place of the
+    row-invariant matmul: at this width the packed recompute (M ~ 80 rows) then differs from one
+    sequence at a time, so the equality above holds because of the matmul the swap calls."""
+    batched, _ = exact
+    model = trainer.load_hf_model(wide, dtype=torch.bfloat16)
+
+    def stock_mm(x, w):  # mm's out= overload is not overridden: MKL as it is
+        a = x.reshape(-1, x.shape[-1])
+        return torch.mm(a, w.t(), out=a.new_empty(a.shape[0], w.shape[0])).view(*x.shape[:-1], -1)
+
+    monkeypatch.setattr(forwards, "_matmul", stock_mm)
+    with batch_invariant():
+        packed, single = _recompute(model, batched, True), _recompute(model, batched, False)
+    assert any(not torch.equal(a, b) for a, b in zip(packed, single, strict=True))
 
 
 @pytest.mark.gpu
