@@ -49,6 +49,7 @@ import triton.language as tl
 
 from samebits.kernels.attention_plan import BLOCK_M, plan
 from samebits.kernels.device_facts import sm_count
+from samebits.kernels.launch import fast_launch
 
 BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 4, 3  # stages: measured (3 and 4 tie; 2 is 13% slower)
 # Keys per chunk. Every path splits a row's keys into chunks [0, CHUNK), [CHUNK, 2 CHUNK), ...;
@@ -237,6 +238,7 @@ def _tile_rows(
     return q_len, q_start, tok, head, valid, pos, hi
 
 
+@fast_launch
 @triton.jit
 def attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, block_table_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr,
@@ -299,6 +301,7 @@ def attention_kernel(
         )
 
 
+@fast_launch
 @triton.jit
 def combine_kernel(
     o_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, chunks,

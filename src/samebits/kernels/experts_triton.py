@@ -38,6 +38,7 @@ import triton.language as tl
 from samebits.kernels.device_facts import shared_memory_per_block
 from samebits.kernels.experts import route
 from samebits.kernels.experts_tiles import BLOCK_K, SMALL_TILES, m_in_grid_for, tiles_for
+from samebits.kernels.launch import fast_launch
 from samebits.kernels.reduce import tree_sum_ref
 
 BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = SMALL_TILES  # the decode entry of the tile table
@@ -49,6 +50,7 @@ MAX_ROUTED = 4096  # pairs `route_kernel` places (decode batches up to 512 x 8);
 ROUTE_PAIRS = 64  # most pairs a `route_kernel` program places ([pairs, E] one-hot counts)
 
 
+@fast_launch
 @triton.jit
 def route_kernel(
     index_ptr, order_ptr, offsets_ptr, n,
@@ -78,6 +80,7 @@ def route_kernel(
         tl.store(offsets_ptr + bins, 0, mask=bins == 0)
 
 
+@fast_launch
 @triton.jit
 def slot_sum_kernel(per_slot_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
     """[T, K, H] fp32 -> [T, H] in out's dtype: the top-k slots summed in `tree_sum_ref`'s
@@ -131,6 +134,7 @@ def _m_range(
     return e, m_lo, m_hi, end
 
 
+@fast_launch
 @triton.jit
 def gate_up_kernel(
     x_ptr,
@@ -181,6 +185,7 @@ def gate_up_kernel(
         )
 
 
+@fast_launch
 @triton.jit
 def down_kernel(
     h_ptr,

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from samebits.kernels.launch import fast_launch
+
 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M = 64, 128, 64, 8
 NUM_WARPS, NUM_STAGES = 4, 4
 # (BLOCK_M, BLOCK_N, warps, stages) by M. BLOCK_K is the same for every entry: measured on
@@ -30,6 +32,7 @@ FP32_BLOCK_K = 32  # fp32 tiles are twice the bytes; fixed per dtype, so per row
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+@fast_launch
 @triton.jit
 def matmul_kernel(
     a_ptr,

@@ -14,11 +14,13 @@ import triton
 import triton.language as tl
 
 from samebits.kernels.device_facts import sm_count
+from samebits.kernels.launch import fast_launch
 
 MAX_WIDTH = 8192  # one row in registers
 _PROGRAMS_PER_SM = 4
 
 
+@fast_launch
 @triton.jit
 def rms_norm_backward_kernel(
     dy_ptr,

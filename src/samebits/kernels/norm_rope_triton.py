@@ -24,9 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
+from samebits.kernels.launch import fast_launch
 from samebits.kernels.reduce_triton import tree_sum_block
 
 
+@fast_launch
 @triton.jit
 def rms_norm_kernel(
     x_ptr,
@@ -93,6 +95,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out if residual is None else (summed.view(x.shape), out)
 
 
+@fast_launch
 @triton.jit
 def rotary_kernel(
     x_ptr,
@@ -207,6 +210,7 @@ def _norm_rope_heads(x_ptr, w_ptr, heads, cos, sin, inv_n, eps, d, BLOCK_H: tl.c
     return ((normed * cos).to(dt).to(tl.float32) + (rot * sin).to(dt).to(tl.float32)).to(dt), mask
 
 
+@fast_launch
 @triton.jit
 def qk_norm_rope_cache_kernel(
     q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from samebits.kernels.launch import fast_launch
+
 MAX_WIDTH = 8192  # the widest row tree_sum_block reduces (13 halvings)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (development only)
 
@@ -58,6 +60,7 @@ def tree_sum_block(s, BLOCK: tl.constexpr):
     return tl.sum(s, axis=0)  # one element left
 
 
+@fast_launch
 @triton.jit
 def tree_sum_kernel(x_ptr, out_ptr, n, stride_x, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from samebits.kernels.launch import fast_launch
 from samebits.kernels.norm_rope_triton import _row_tree
 from samebits.kernels.sample_triton import _expf
 
@@ -38,6 +39,7 @@ MAX_WIDTH = 256  # `_row_tree`'s widest row
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+@fast_launch
 @triton.jit
 def softmax_kernel(x_ptr, p_ptr, T, stride_x, ROWS: tl.constexpr, E: tl.constexpr):
     """[T, E] logits -> [T, E] fp32 probabilities: the composite softmax's roundings."""
@@ -51,6 +53,7 @@ def softmax_kernel(x_ptr, p_ptr, T, stride_x, ROWS: tl.constexpr, E: tl.constexp
     tl.store(p_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :], p, mask=mask)
 
 
+@fast_launch
 @triton.jit
 def renorm_kernel(v_ptr, w_ptr, T, ROWS: tl.constexpr, K: tl.constexpr):
     """[T, K] fp32 top values -> [T, K] in w's dtype: each row over its tree sum, cast once."""

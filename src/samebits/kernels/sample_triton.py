@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from samebits.kernels.launch import fast_launch
 from samebits.kernels.reduce_triton import _INTERPRET, MAX_WIDTH, tree_sum_block
 from samebits.kernels.sample import MIX1, MIX2, UNIFORM_BITS
 
@@ -133,6 +134,7 @@ def _row_shift(part_val_ptr, row, temps_ptr, P: tl.constexpr):
     return r, m
 
 
+@fast_launch
 @triton.jit
 def _max_kernel(
     logits_ptr, stride, vocab, max_val_ptr, max_idx_ptr,
@@ -175,6 +177,7 @@ def _exp_t8(logits_ptr, row, stride, vocab, lanes, a, r, m, C: tl.constexpr):
     )
 
 
+@fast_launch
 @triton.jit
 def _sum_kernel(
     logits_ptr, stride, vocab, temps_ptr, max_val_ptr, lanes_ptr,
@@ -199,6 +202,7 @@ def _sum_kernel(
     tl.store(lanes_ptr + row * C + lanes, total)
 
 
+@fast_launch
 @triton.jit
 def _total_kernel(lanes_ptr, log_total_ptr, C: tl.constexpr):
     """log of the row's sum: the halving tree of its C lane sums (the last log2(C) folds)."""
@@ -215,6 +219,7 @@ def _fmix32(x):
     return x ^ (x >> 16)
 
 
+@fast_launch
 @triton.jit
 def _race_kernel(
     logits_ptr, stride, vocab, temps_ptr, keys_ptr, max_val_ptr,
@@ -245,6 +250,7 @@ def _race_kernel(
     tl.store(any_ptr + row * PR + p, positive)
 
 
+@fast_launch
 @triton.jit
 def _finish_kernel(
     logits_ptr, stride, vocab, temps_ptr, random_ptr, max_val_ptr, max_idx_ptr, race_val_ptr, race_idx_ptr,
@@ -325,6 +331,7 @@ def sample(
 WRITE_BLOCK = 4096  # ids per program of `_log_softmax_kernel`
 
 
+@fast_launch
 @triton.jit
 def _log_softmax_kernel(
     x_ptr, stride, vocab, ones_ptr, max_val_ptr, log_total_ptr, out_ptr, out_stride,

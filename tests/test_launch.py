@@ -1,0 +1,100 @@
+"""`kernels.launch.fast_launch`: a bound launch meets the kernel Triton would have picked.
+
+The first test needs Triton only (its specializer runs on the host); the others a GPU."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+
+def _values():
+    ints = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -(2**31), -(2**31) - 1]
+    ints += [-(2**31) - 16, 2**63 - 16, 2**63 - 1, 2**63, 2**64 - 16]
+    base = torch.zeros(64, dtype=torch.float32)
+    tensors = [base[i:] for i in range(6)] + [base.bfloat16()[i:] for i in range(10)]
+    tensors += [torch.zeros(8, dtype=torch.int64)[i:] for i in range(3)]
+    return ints + [True, False, None, 0.5, 1.0, -3.0] + tensors
+
+
+def test_arg_class_partitions_at_least_as_finely_as_tritons_specializer():
+    """Two arguments of one `_arg_class` always get one Triton specialization, so a bound key
+    never meets a kernel compiled for another. Control: the class without the 16-divisibility
+    bit merges arguments Triton tells apart."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from samebits.kernels.launch import _arg_class
+
+    def spec(x):
+        return native_specialize_impl(BaseBackend, x, False, True, True)
+
+    values = _values()
+    for x, y in itertools.combinations(values, 2):
+        if _arg_class(x) == _arg_class(y):
+            assert spec(x) == spec(y), (x, y, spec(x), spec(y))
+
+    def coarse(x):  # the control: forgets what 16 divides
+        c = _arg_class(x)
+        return c[:-1] if isinstance(x, (int, torch.Tensor)) and not isinstance(x, bool) else c
+
+    merged = [(x, y) for x, y in itertools.combinations(values, 2) if coarse(x) == coarse(y) and spec(x) != spec(y)]
+    assert merged
+
+
+def test_arg_class_refuses_what_it_cannot_classify():
+    from samebits.kernels.launch import _arg_class
+
+    with pytest.raises(TypeError, match="no specialization class"):
+        _arg_class("a string")
+
+
+@pytest.mark.gpu
+def test_bound_launch_runs_the_compiled_kernel_with_the_arguments_in_order(monkeypatch):
+    """After the first call, calls with the same key skip Triton's `run` and give the first
+    call's bits; a misaligned view (another key) goes through Triton again."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from samebits.kernels import matmul_triton as mt
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(40, 300, device="cuda", generator=g).bfloat16()
+    w = torch.randn(300, 200, device="cuda", generator=g).bfloat16()
+    first = mt.matmul(a, w, tiles=(32, 32, 4, 3))  # through Triton: compiles and binds
+    calls = []
+    run = type(mt.matmul_kernel.fn).run
+    monkeypatch.setattr(type(mt.matmul_kernel.fn), "run", lambda *x, **k: calls.append(1) or run(*x, **k))
+    again = mt.matmul(a, w, tiles=(32, 32, 4, 3))
+    assert calls == [] and torch.equal(again, first)
+    bias = torch.randn(200, device="cuda", generator=g).bfloat16()
+    with_bias = mt.matmul(a, w, bias, tiles=(32, 32, 4, 3))  # another key (HAS_BIAS): Triton once
+    assert calls == [1] and torch.equal(mt.matmul(a, w, bias, tiles=(32, 32, 4, 3)), with_bias) and calls == [1]
+    shifted = torch.empty(41 * 300, device="cuda", dtype=torch.bfloat16)[1:].view(40, 300).copy_(a)
+    assert shifted.data_ptr() % 16 != 0
+    assert torch.equal(mt.matmul(shifted, w, tiles=(32, 32, 4, 3)), first) and calls == [1, 1]
+    want = a.double() @ w.double()
+    assert ((first.double() - want).abs() / (want.abs() + 1)).max() < 1e-2  # bf16 output: ~4e-3
+
+
+@pytest.mark.gpu
+def test_bound_launch_steps_aside_for_launch_hooks(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from triton import knobs
+
+    from samebits.kernels import matmul_triton as mt
+
+    a = torch.randn(8, 64, device="cuda").bfloat16()
+    w = torch.randn(64, 32, device="cuda").bfloat16()
+    mt.matmul(a, w)
+    seen = []
+    knobs.runtime.launch_enter_hook.add(seen.append)
+    try:
+        mt.matmul(a, w)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(seen.append)
+    assert len(seen) == 1
