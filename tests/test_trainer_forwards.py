@@ -1,10 +1,10 @@
-"""samebits' forwards for the trainer's linears and RMSNorms (`trainer/forwards.py`).
+"""samebits' forwards for the trainer's linears, RMSNorms and routers (`trainer/forwards.py`).
 
 Claim, bitwise: inside `batch_invariant()` a model with them gives the log-probs of the same
 model on transformers' own module forwards, packed and one sequence at a time; outside it, the
 stock forwards run. Controls: the same swap with one rounding of the RMSNorm moved (h rounded
-after the weight product instead of before, as some RMSNorm variants do), or with the linears
-summing K from the other end, changes the bits.
+after the weight product instead of before, as some RMSNorm variants do), the router's renorm
+divided after the cast, or the linears summing K from the other end, changes the bits.
 Gradients carry no bitwise contract: the closed-form backwards are checked against autograd in
 float32.
 """
@@ -32,12 +32,15 @@ def pair(checkpoints):
     return trainer.load_hf_model(path, samebits_forwards=False), trainer.load_hf_model(path)
 
 
-def test_every_linear_and_norm_changed_once(pair):
+def test_every_linear_norm_and_router_changed_once(pair):
     plain, fast = pair
     layers = fast.config.num_hidden_layers
     swapped = [m for m in fast.modules() if isinstance(m, forwards._Swapped)]
+    routers = [m for m in fast.modules() if type(m).__name__ == "SamebitsQwen3MoeTopKRouter"]
+    gates = [layer.mlp.gate for layer in fast.model.layers if hasattr(layer.mlp, "gate")]
+    assert gates and len(routers) == len(gates) and all(a is b for a, b in zip(routers, gates, strict=True))
     # per layer q/k/v/o and four norms (input, post-attention, q, k); the final norm; the lm_head
-    assert len(swapped) == 8 * layers + 2 + sum(
+    assert len(swapped) == 8 * layers + 2 + len(routers) + sum(
         isinstance(m, torch.nn.Linear) for layer in fast.model.layers for m in layer.mlp.modules()
     )
     assert not any(isinstance(m, forwards._Swapped) for m in plain.modules())
@@ -125,6 +128,22 @@ def test_control_a_norm_rounding_moved_changes_the_bits(pair, monkeypatch):
     assert any(not torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+def test_control_a_router_rounding_moved_changes_the_bits(pair, monkeypatch):
+    """The router with its renorm divided after the cast to the logits' dtype (one rounding
+    moved): other bits, so the equality above sees the router's own roundings."""
+    plain, fast = pair
+
+    def moved(logits, top_k, norm_topk_prob):
+        value, index = torch.topk(torch.softmax(logits.float(), -1), top_k, dim=-1)
+        value = value.to(logits.dtype)
+        return (value / value.sum(-1, keepdim=True) if norm_topk_prob else value), index
+
+    real = forwards.pick
+    monkeypatch.setattr(forwards, "pick", lambda op, device: moved if op == "router" else real(op, device))
+    got, want = _logprobs(fast, True), _logprobs(plain, True)
+    assert any(not torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_control_a_linear_summing_k_in_another_order_changes_the_bits(pair, monkeypatch):
     """The same products, each row's K summed from the other end (the registry's matmul on
     both operands reversed along K): other bits, so the equality above sees the linears' order."""
@@ -148,17 +167,20 @@ def test_gradients_match_autograd_in_float32(checkpoints):
 
     want, got = grads(plain), grads(fast)
     assert got.keys() == want.keys() and any("norm" in n for n in got) and any("q_proj" in n for n in got)
+    assert any("mlp.gate.weight" in n for n in got)  # the router's closed-form backward
     for name in want:  # float32 rounding apart: ~1e-7 of the gradient's norm
         assert ((got[name] - want[name]).norm() / want[name].norm()).item() < 1e-5, name
 
 
-def test_the_omni_thinker_text_norms_are_recognized(tmp_path):
+def test_the_omni_thinker_text_norms_and_routers_are_recognized(tmp_path):
     from samebits.model.tiny_omni import build_tiny_omni_checkpoint
 
     model = trainer.load_hf_thinker(build_tiny_omni_checkpoint(tmp_path / "omni", seed=0, layout="thinker"))
     text = model.model.language_model
     norms = [m for m in text.modules() if type(m).__name__.endswith("RMSNorm")]
     assert norms and all(isinstance(m, forwards._Swapped) for m in norms)
+    routers = [m for m in text.modules() if type(m).__name__.endswith("TopKRouter")]
+    assert routers and all(isinstance(m, forwards._Swapped) for m in routers)
 
 
 @pytest.mark.gpu
@@ -172,5 +194,7 @@ def test_on_cuda_same_bits_and_the_control_differs(checkpoints, monkeypatch):
         want, got = _logprobs(plain, packed), _logprobs(fast, packed)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), packed
     test_control_a_norm_rounding_moved_changes_the_bits((plain, fast), monkeypatch)
+    monkeypatch.undo()
+    test_control_a_router_rounding_moved_changes_the_bits((plain, fast), monkeypatch)
     monkeypatch.undo()
     test_control_a_linear_summing_k_in_another_order_changes_the_bits((plain, fast), monkeypatch)

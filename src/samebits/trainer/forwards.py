@@ -10,14 +10,19 @@ directly:
 - a bias-free `nn.Linear`: the registry's row-invariant `matmul(x, w.T)`, the very call the
   `mm` override makes for `F.linear`;
 - an RMSNorm whose forward is transformers' Qwen3 one (compared by code object): the registry's
-  `rms_norm` (on CUDA one fused launch; its bits are the composite's inside the context).
+  `rms_norm` (on CUDA one fused launch; its bits are the composite's inside the context);
+- an MoE router whose forward is transformers' `Qwen3MoeTopKRouter` one (by code object): its
+  linear as above, then the registry's `router` (softmax, `torch.topk`, renorm, cast; on CUDA
+  two Triton launches around `torch.topk`, where the module is ten aten ops behind the
+  overrides; the engine's router, tested against the module in `test_gpu_router.py`).
 
 Outside `batch_invariant()`, under autocast (which casts inputs in aten, before the overrides)
 and on devices the overrides do not cover, each module runs its own forward. The
 backwards are closed forms on stock kernels (gradients carry no bitwise contract): the linear's
 two GEMMs on `out=` overloads (on CUDA the backward runs on autograd's device thread, where
 every call of an op the overrides cover, mm, sum.dim, mean.dim, would cross their Python
-wrapper), the norm's the registry's `rms_norm_backward` (on CUDA one fused launch).
+wrapper), the norm's the registry's `rms_norm_backward` (on CUDA one fused launch), the router's the
+softmax/renorm chain rule on the saved logits.
 """
 
 from __future__ import annotations
@@ -120,50 +125,99 @@ def _rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
     return pick("rms_norm", x.device.type)(x, self.weight, self.variance_epsilon)
 
 
-_NORM_CLASSES: dict[type, type] = {}  # transformers norm class -> its swapped subclass
+_SWAPPED_CLASSES: dict[type, type] = {}  # transformers class -> its swapped subclass
 
 
-def _swapped_norm_class(cls: type) -> type:
-    if cls not in _NORM_CLASSES:
-        _NORM_CLASSES[cls] = type(
+def _swapped_class(cls: type, forward) -> type:
+    if cls not in _SWAPPED_CLASSES:
+        _SWAPPED_CLASSES[cls] = type(
             f"Samebits{cls.__name__}",
             (_Swapped, cls),
-            {"_samebits_base": cls, "forward": _rms_norm_forward, "__module__": __name__},
+            {"_samebits_base": cls, "forward": forward, "__module__": __name__},
         )
-    return _NORM_CLASSES[cls]
+    return _SWAPPED_CLASSES[cls]
 
 
-def _qwen3_rms_norm_code() -> types.CodeType:
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+def _reference_codes() -> dict[str, types.CodeType]:
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
 
-    return Qwen3MoeRMSNorm.forward.__code__
+    return {"norm": hf.Qwen3MoeRMSNorm.forward.__code__, "router": hf.Qwen3MoeTopKRouter.forward.__code__}
 
 
-def _is_qwen3_rms_norm(module: nn.Module, reference: types.CodeType) -> bool:
-    """A module whose forward is transformers' Qwen3 RMSNorm, byte for byte (the modular
-    converter copies it into each model family's file under the family's class name)."""
+def _same_forward(module: nn.Module, reference: types.CodeType, attrs: dict[str, type]) -> bool:
+    """A module whose forward is `reference`, byte for byte (the modular converter copies
+    transformers' Qwen3 modules into each model family's file under the family's class names),
+    holding the attributes that forward reads."""
     code = getattr(type(module).forward, "__code__", None)
     return (
         code is not None
         and (code.co_code, code.co_consts, code.co_names)
         == (reference.co_code, reference.co_consts, reference.co_names)
-        and isinstance(getattr(module, "weight", None), torch.Tensor)
-        and isinstance(getattr(module, "variance_epsilon", None), float)
+        and all(isinstance(getattr(module, a, None), t) for a, t in attrs.items())
     )
 
 
+_NORM_ATTRS = {"weight": torch.Tensor, "variance_epsilon": float}
+_ROUTER_ATTRS = {"weight": torch.Tensor, "top_k": int, "hidden_dim": int, "norm_topk_prob": bool}
+
+
+class _Router(torch.autograd.Function):
+    """Router logits [T, E] -> (weights [T, K] in the logits' dtype, indices [T, K]): forward the
+    registry's `router`; backward the chain rule of p = softmax(z) in fp32, v = p[indices],
+    w = v / sum(v) (norm_topk_prob), on stock ops."""
+
+    @staticmethod
+    def forward(ctx, logits, top_k, norm_topk_prob):
+        weights, index = pick("router", logits.device.type)(logits, top_k, norm_topk_prob)
+        ctx.save_for_backward(logits, index)
+        ctx.norm_topk_prob = norm_topk_prob
+        ctx.mark_non_differentiable(index)
+        return weights, index
+
+    @staticmethod
+    def backward(ctx, grad_weights, _grad_index):
+        logits, index = ctx.saved_tensors
+        p = torch.softmax(logits.float(), dim=-1)  # [T, E]
+        v = p.gather(1, index)  # [T, K]
+        dv = grad_weights.float()
+        if ctx.norm_topk_prob:
+            total = v.sum(-1, keepdim=True)
+            dv = (dv - (dv * v).sum(-1, keepdim=True) / total) / total
+        dp = torch.zeros_like(p).scatter_(1, index, dv)
+        dz = p * (dp - (dv * v).sum(-1, keepdim=True))  # softmax: p * (dp - <dp, p>)
+        return dz.to(logits.dtype), None, None
+
+
+def _router_forward(self, hidden_states: torch.Tensor):
+    """transformers' `Qwen3MoeTopKRouter.forward`: -> (router_logits, weights, indices)."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    if not _direct(hidden_states) or hidden_states.dtype != self.weight.dtype:
+        return self._samebits_base.forward(self, hidden_states)
+    if _grad(hidden_states, self.weight):
+        logits = _Linear.apply(hidden_states, self.weight)
+        weights, index = _Router.apply(logits, self.top_k, self.norm_topk_prob)
+    else:
+        logits = _matmul(hidden_states, self.weight)
+        weights, index = pick("router", logits.device.type)(logits, self.top_k, self.norm_topk_prob)
+    return logits, weights, index
+
+
 def use_samebits_forwards(model: nn.Module) -> int:
-    """Give every bias-free `nn.Linear` and every Qwen3-form RMSNorm in `model` samebits' forward
+    """Give every bias-free `nn.Linear`, Qwen3-form RMSNorm and router in `model` samebits' forward
     (module docstring) by swapping its class for a subclass -> how many modules changed.
     Idempotent; parameters, buffers and hooks are untouched; `torch.save` and `copy` give the
     transformers classes back."""
-    reference = _qwen3_rms_norm_code()
+    codes = _reference_codes()
     changed = 0
     for module in model.modules():
+        if isinstance(module, _Swapped):
+            continue
         if type(module) is nn.Linear and module.bias is None:
             module.__class__ = SamebitsLinear
-        elif not isinstance(module, _Swapped) and _is_qwen3_rms_norm(module, reference):
-            module.__class__ = _swapped_norm_class(type(module))
+        elif _same_forward(module, codes["norm"], _NORM_ATTRS):
+            module.__class__ = _swapped_class(type(module), _rms_norm_forward)
+        elif _same_forward(module, codes["router"], _ROUTER_ATTRS):
+            module.__class__ = _swapped_class(type(module), _router_forward)
         else:
             continue
         changed += 1
