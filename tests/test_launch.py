@@ -42,8 +42,8 @@ def test_arg_class_partitions_at_least_as_finely_as_tritons_specializer():
         c = _arg_class(x)
         return c[:-1] if isinstance(x, (int, torch.Tensor)) and not isinstance(x, bool) else c
 
-    merged = [(x, y) for x, y in itertools.combinations(values, 2) if coarse(x) == coarse(y) and spec(x) != spec(y)]
-    assert merged
+    pairs = itertools.combinations(values, 2)
+    assert [(x, y) for x, y in pairs if coarse(x) == coarse(y) and spec(x) != spec(y)]
 
 
 def test_arg_class_refuses_what_it_cannot_classify():
