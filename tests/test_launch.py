@@ -73,7 +73,7 @@ def test_bound_launch_runs_the_compiled_kernel_with_the_arguments_in_order(monke
     bias = torch.randn(200, device="cuda", generator=g).bfloat16()
     with_bias = mt.matmul(a, w, bias, tiles=(32, 32, 4, 3))  # another key (HAS_BIAS): Triton once
     assert calls == [1] and torch.equal(mt.matmul(a, w, bias, tiles=(32, 32, 4, 3)), with_bias) and calls == [1]
-    shifted = torch.empty(41 * 300, device="cuda", dtype=torch.bfloat16)[1:].view(40, 300).copy_(a)
+    shifted = torch.empty(40 * 300 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(40, 300).copy_(a)
     assert shifted.data_ptr() % 16 != 0
     assert torch.equal(mt.matmul(shifted, w, tiles=(32, 32, 4, 3)), first) and calls == [1, 1]
     want = a.double() @ w.double()
