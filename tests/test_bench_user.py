@@ -202,6 +202,17 @@ def test_rl_step_ratio_of_the_on_policy_and_stock_loops(tiny):
     assert r["ratio"] == r["on_policy_s"] / r["stock_s"]
 
 
+def test_rl_arms_warm_up_run_is_thrown_away(tiny):
+    from samebits.rl import RLConfig
+    from samebits.rl import arms as bench_rl
+
+    lines = []
+    cfg = RLConfig(model=str(tiny), device="cpu", steps=2, num_prompts=2, n=2, max_tokens=4)
+    results = bench_rl.run_arms(cfg, ("stock",), spawn=False, log=lines.append, warmup_steps=1)
+    assert list(results) == ["stock"] and [r["step"] for r in results["stock"]] == [0, 1]
+    assert lines[0].startswith("warm-up run of stock, 1 steps") and sum(" step 0:" in x for x in lines) == 2
+
+
 def test_rl_arms_refuse_an_unknown_arm(tiny):
     from samebits.rl import RLConfig
     from samebits.rl import arms as bench_rl

@@ -61,22 +61,32 @@ def _flushed(text: str) -> None:
     print(text, flush=True)
 
 
-def run_arms(config, arms, spawn: bool = True, log=_flushed) -> dict[str, list[dict]]:
+def run_arms(config, arms, spawn: bool = True, log=_flushed, warmup_steps: int = 0) -> dict[str, list[dict]]:
     """Each arm's per-step metrics. With `spawn`, each arm runs in a fresh process: both
-    start cold, and all of an arm's device memory is freed before the next one loads."""
+    start cold, and all of an arm's device memory is freed before the next one loads.
+
+    `warmup_steps`: first a run of the first arm, that many steps, thrown away. On the H200
+    the first arm's process after a 48-layer checkpoint was written ran ~0.5 s a step slower
+    than the same arm later, whichever arm it was (docs/perf-notes.md, eleventh session), so
+    without it the first arm's ratio carries the machine's settling."""
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         raise ValueError(f"arms: unknown {unknown}; choose from {list(ARMS)}")
+    if warmup_steps:
+        log(f"warm-up run of {arms[0]}, {warmup_steps} steps (thrown away):")
+        _run_in(replace(config, steps=warmup_steps, **ARMS[arms[0]]), spawn, log)
     results = {}
     for arm in arms:
         log(f"arm {arm}:")
-        arm_config = replace(config, **ARMS[arm])
-        if not spawn:
-            results[arm] = run_arm(arm_config, log)
-            continue
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            results[arm] = pool.submit(run_arm, arm_config, _flushed).result()
+        results[arm] = _run_in(replace(config, **ARMS[arm]), spawn, log)
     return results
+
+
+def _run_in(config, spawn: bool, log) -> list[dict]:
+    if not spawn:
+        return run_arm(config, log)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(run_arm, config, _flushed).result()
 
 
 def medians(rows: list[dict]) -> dict[str, float]:
@@ -91,16 +101,20 @@ def step_ratio(results: dict[str, list[dict]]) -> dict[str, float]:
     return {"on_policy_s": on, "stock_s": stock, "ratio": on / stock}
 
 
-def bench_ratio(model, steps: int, device: str = "cuda", spawn: bool = True, **shape) -> dict:
+def bench_ratio(
+    model, steps: int, device: str = "cuda", spawn: bool = True, warmup_steps: int = 1, **shape
+) -> dict:
     """The RL step ratio `samebits bench --rl` reports: `steps` steps of the on-policy and the
-    stock arm at RL_SHAPE (keys of `shape` override it), median step time after the first.
+    stock arm at RL_SHAPE (keys of `shape` override it), median step time after the first,
+    after a thrown-away warm-up run of `warmup_steps` (`run_arms`).
     `step_ratio`'s keys plus `steps` and `shape` ("prompts x n (prompt -> new tokens)")."""
     from samebits.rl import RLConfig
 
     fields = RL_SHAPE | {"digest_tensors": RL_DIGEST} | shape
     c = RLConfig(model=str(model), device=device, steps=steps, **fields)
     shape_text = f"{c.num_prompts} x {c.n} ({c.prompt_len} -> {c.max_tokens})"
-    return step_ratio(run_arms(c, ("on-policy", "stock"), spawn=spawn)) | {"steps": steps, "shape": shape_text}
+    results = run_arms(c, ("on-policy", "stock"), spawn=spawn, warmup_steps=warmup_steps)
+    return step_ratio(results) | {"steps": steps, "shape": shape_text}
 
 
 def count(rows: list[dict], kind: str) -> str:
