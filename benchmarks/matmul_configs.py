@@ -41,6 +41,10 @@ CONFIGS = [
     (32, 32, 4, 6),
     (16, 32, 2, 8),
     (16, 64, 4, 8),
+    # for the wide lm_head at M = 65..256, where (128, 128) reads its 622 MB twice: one row block
+    (256, 64, 8, 3),
+    (256, 128, 8, 3),
+    (128, 256, 8, 3),
 ]
 MS = [1, 8, 64, 256]
 
