@@ -53,13 +53,12 @@ class ThinkerTextModel(Qwen3MoeModel):
     def rotary(self, hidden, positions):  # positions [3, T] T/H/W rows -> cos, sin [T, D]
         return ops.mrope_cos_sin(hidden, positions, self.inv_freq, 1.0, self.mrope_section)
 
-    def decoder_layer(self, i, layer, hidden, cos, sin, meta, kv_cache, multimodal=None):
-        hidden = layer(hidden, cos, sin, meta, kv_cache)
-        if _has_deepstack(multimodal, i):
-            hidden = ops.deepstack_add(
-                hidden, multimodal.visual_mask, multimodal.deepstack[i]
-            )  # (res + mlp) + ds
-        return hidden
+    def decoder_layer(self, i, layer, hidden, mlp_out, cos, sin, meta, kv_cache, multimodal=None):
+        hidden, mlp_out = layer(hidden, cos, sin, meta, kv_cache, mlp_out)
+        if not _has_deepstack(multimodal, i):
+            return hidden, mlp_out
+        # (res + mlp) + ds: the residual add made here, before the deepstack rows
+        return ops.deepstack_add(hidden + mlp_out, multimodal.visual_mask, multimodal.deepstack[i]), None
 
 
 def _has_deepstack(mm: MultimodalRows | None, i: int) -> bool:
@@ -70,15 +69,11 @@ class SplitResidualDeepstackTextModel(ThinkerTextModel):
     """The known trap, for negative controls only: deepstack folded into the split residual
     stream, `(residual + deepstack) + mlp` instead of transformers' `(residual + mlp) + deepstack`."""
 
-    def decoder_layer(self, i, layer, hidden, cos, sin, meta, kv_cache, multimodal=None):
-        if not _has_deepstack(multimodal, i):
-            return layer(hidden, cos, sin, meta, kv_cache)
-        residual = hidden
-        hidden = layer.self_attn(layer.input_layernorm(hidden), cos, sin, meta, kv_cache)
-        norm = layer.post_attention_layernorm
-        residual, hidden = ops.add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon)
-        residual = ops.deepstack_add(residual, multimodal.visual_mask, multimodal.deepstack[i])
-        return residual + layer.mlp(hidden)
+    def decoder_layer(self, i, layer, hidden, mlp_out, cos, sin, meta, kv_cache, multimodal=None):
+        residual, mlp_out = layer(hidden, cos, sin, meta, kv_cache, mlp_out)
+        if _has_deepstack(multimodal, i):  # the MLP output is added in the next norm: after ds
+            residual = ops.deepstack_add(residual, multimodal.visual_mask, multimodal.deepstack[i])
+        return residual, mlp_out
 
 
 class ThinkerModel(nn.Module):

@@ -116,16 +116,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, hidden, cos, sin, meta, kv_cache):
-        residual = hidden
-        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, meta, kv_cache)
+    def forward(self, hidden, cos, sin, meta, kv_cache, mlp_out=None):
+        """hidden [T, H]: the residual stream before this layer, less the previous layer's MLP
+        output, which comes as `mlp_out` (None for the first layer): transformers' closing
+        `residual + mlp_out` is made here, in the input norm's launch (`add_rms_norm`, the same
+        bf16 rounding). -> (residual, this layer's mlp_out), for the next layer or the final norm."""
+        if mlp_out is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            norm = self.input_layernorm
+            residual, hidden = ops.add_rms_norm(mlp_out, hidden, norm.weight, norm.variance_epsilon)
+        hidden = self.self_attn(hidden, cos, sin, meta, kv_cache)
         residual, hidden = ops.add_rms_norm(
             hidden,
             residual,
             self.post_attention_layernorm.weight,
             self.post_attention_layernorm.variance_epsilon,
         )
-        return residual + self.mlp(hidden)
+        return residual, self.mlp(hidden)
 
 
 class Qwen3MoeModel(nn.Module):
@@ -145,15 +153,21 @@ class Qwen3MoeModel(nn.Module):
         per-layer inputs (the Omni thinker: deepstack)."""
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, H]
         cos, sin = self.rotary(hidden, positions)  # [T, D]
+        mlp_out = None  # the last layer's MLP output, added in the next norm (DecoderLayer.forward)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            hidden = self.decoder_layer(i, layer, hidden, cos, sin, meta, kv_cache, **layer_inputs)
-        return self.norm(hidden)
+            hidden, mlp_out = self.decoder_layer(
+                i, layer, hidden, mlp_out, cos, sin, meta, kv_cache, **layer_inputs
+            )
+        if mlp_out is None:
+            return self.norm(hidden)
+        return ops.add_rms_norm(mlp_out, hidden, self.norm.weight, self.norm.variance_epsilon)[1]
 
     def rotary(self, hidden, positions):  # positions [T] -> cos, sin [T, D]
         return ops.rotary_cos_sin(hidden, positions, self.inv_freq, 1.0)
 
-    def decoder_layer(self, i, layer, hidden, cos, sin, meta, kv_cache):
-        return layer(hidden, cos, sin, meta, kv_cache)
+    def decoder_layer(self, i, layer, hidden, mlp_out, cos, sin, meta, kv_cache):
+        """-> (residual, mlp_out) of layer i (`DecoderLayer.forward`)."""
+        return layer(hidden, cos, sin, meta, kv_cache, mlp_out)
 
 
 class Qwen3MoeForCausalLM(nn.Module):
