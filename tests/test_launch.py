@@ -14,7 +14,7 @@ triton = pytest.importorskip("triton")
 
 def _values():
     ints = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -(2**31), -(2**31) - 1]
-    ints += [-(2**31) - 16, 2**63 - 16, 2**63 - 1, 2**63, 2**64 - 16]
+    ints += [-(2**31) - 16, 2**63 - 16, 2**63 - 1, 2**63, 2**64 - 16, 2**64, 2**64 + 16, -(2**63) - 16]
     base = torch.zeros(64, dtype=torch.float32)
     tensors = [base[i:] for i in range(6)] + [base.bfloat16()[i:] for i in range(10)]
     tensors += [torch.zeros(8, dtype=torch.int64)[i:] for i in range(3)]
@@ -30,8 +30,11 @@ def test_arg_class_partitions_at_least_as_finely_as_tritons_specializer():
 
     from samebits.kernels.launch import _arg_class
 
-    def spec(x):
-        return native_specialize_impl(BaseBackend, x, False, True, True)
+    def spec(x):  # None where Triton refuses the value (ints past u64 or below i64)
+        try:
+            return native_specialize_impl(BaseBackend, x, False, True, True)
+        except (ValueError, TypeError, OverflowError):
+            return None
 
     values = _values()
     for x, y in itertools.combinations(values, 2):
@@ -44,6 +47,70 @@ def test_arg_class_partitions_at_least_as_finely_as_tritons_specializer():
 
     pairs = itertools.combinations(values, 2)
     assert [(x, y) for x, y in pairs if coarse(x) == coarse(y) and spec(x) != spec(y)]
+
+
+class _StubJIT:
+    """Enough of a `JITFunction` for `FastLaunch`: k(x_ptr, n, BLOCK: constexpr, FLAG: constexpr).
+    Indexing it records a launch through Triton's path and returns a stub compiled kernel."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        names = [("x_ptr", False), ("n", False), ("BLOCK", True), ("FLAG", True)]
+        self.params = [SimpleNamespace(name=n, is_constexpr=c) for n, c in names]
+        self.arg_names = [n for n, _ in names]
+        self.pre_run_hooks = []
+        self.triton_calls, self.bound_calls = [], []
+        outer = self
+
+        class Compiled:
+            function, packed_metadata = object(), object()
+
+            def run(self, *a):
+                outer.bound_calls.append(a[9:])  # the kernel's arguments, after grid..hooks
+
+        self.compiled = Compiled()
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.triton_calls.append((args, kwargs)) or self.compiled
+
+
+@pytest.fixture
+def stub(monkeypatch):
+    from samebits.kernels.launch import FastLaunch
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    fn = _StubJIT()
+    return fn, FastLaunch(fn)
+
+
+def test_bound_call_passes_every_parameter_in_order(stub):
+    fn, k = stub
+    x = torch.zeros(4)
+    k[(1,)](x, 7, BLOCK=16, FLAG=True)
+    k[(1,)](x, 7, FLAG=True, BLOCK=16)  # another keyword order: another key, Triton again
+    k[(1,)](x, 9, BLOCK=16, FLAG=True)  # 9 and 7: one class
+    assert len(fn.triton_calls) == 2 and fn.bound_calls == [(x, 9, 16, True)]
+    k[(1,)](x, 9, BLOCK=32, FLAG=True)  # a constexpr's value is in the key
+    assert len(fn.triton_calls) == 3 and len(fn.bound_calls) == 1
+
+
+def test_what_keeps_tritons_path(stub):
+    """A constexpr by position (16 and 32 share a class: binding would reuse the wrong kernel),
+    a runtime parameter by keyword, an argument without a class, a pre-run hook."""
+    fn, k = stub
+    x = torch.zeros(4)
+    for _ in range(2):
+        k[(1,)](x, 7, 16, FLAG=True)
+        k[(1,)](x, 7, 32, FLAG=True)
+        k[(1,)](x, n=7, BLOCK=16, FLAG=True)
+        k[(1,)](x, (7, 8), BLOCK=16, FLAG=True)
+    assert len(fn.triton_calls) == 8 and fn.bound_calls == []
+    k[(1,)](x, 7, BLOCK=16, FLAG=True)
+    fn.pre_run_hooks.append(print)
+    k[(1,)](x, 7, BLOCK=16, FLAG=True)
+    assert len(fn.triton_calls) == 10 and fn.bound_calls == []
 
 
 def test_arg_class_refuses_what_it_cannot_classify():

@@ -43,11 +43,12 @@ def test_cli_default_run_is_bitwise_every_step_and_the_toy_reward_rises(tmp_path
         assert all(r[k] == 0 for k in BITWISE), r
         assert r["rollout_logprobs_tokens"] > 0 and r["old_logprobs_tokens"] > 0
         assert r["digests_checked"] == 36  # every tiny parameter: 3 + 3 layers x 11
-        # an update moves the weights unless every reward of the step is the same (then every
-        # advantage is 0, and so is the gradient: the toy task can be solved within 10 steps)
-        assert math.isfinite(r["grad_norm"]) and (r["grad_norm"] > 0 or r["reward_std"] == 0), r
+        # an update moves the weights exactly when some advantage is nonzero (every group's
+        # rewards equal: all advantages 0, and so the gradient; the toy task can be solved in 10 steps)
+        assert math.isfinite(r["grad_norm"]) and (r["grad_norm"] > 0) == (r["advantage_abs_max"] > 0), r
     rewards = [r["reward_mean"] for r in rows]
     assert rewards[-1] > rewards[0] + 0.1, rewards  # the updates reach the engine and help
+    assert sum(r["grad_norm"] > 0 for r in rows) >= 5  # most steps did update
     assert (out / "metrics.png").stat().st_size > 0 and (out / "checkpoint.pt").is_file()
 
 

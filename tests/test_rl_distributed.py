@@ -140,6 +140,7 @@ def _local(mism: int, digest: str = "d") -> dict:
         "replica_digest": digest,
         "trainer_digest": "d",
         "rewards": [0.0, 1.0],
+        "advantage_abs_max": 0.7,
         "lengths": [3, 4],
         "loss": 0.0,
         "clip_frac": 0.0,

@@ -172,6 +172,29 @@ def test_gradients_match_autograd_in_float32(checkpoints):
         assert ((got[name] - want[name]).norm() / want[name].norm()).item() < 1e-5, name
 
 
+@pytest.mark.parametrize("shape", ["tied_top1", "bias_per_expert"])
+def test_routers_without_renorm_same_bits_and_gradients(checkpoints, shape):
+    """norm_topk_prob=False (top-1 of 5; top-3 of 3): the swapped router gives transformers'
+    log-probs, and its closed-form backward autograd's router gradients (fp32)."""
+    path = checkpoints[shape]
+    plain, fast = (trainer.load_hf_model(path, dtype=torch.float32, samebits_forwards=f) for f in (False, True))
+    assert not fast.config.norm_topk_prob and any(
+        type(m).__name__.endswith("TopKRouter") for m in fast.modules()
+    )
+
+    def run(model):
+        with batch_invariant():
+            lps = trainer.token_logprobs(model, SEQS, PROMPT_LENS, packed=True, with_grad=True)
+            torch.cat(lps).square().sum().backward()
+        return lps, {n: p.grad for n, p in model.named_parameters() if "mlp.gate" in n}
+
+    (want, gw), (got, gg) = run(plain), run(fast)
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(got, want, strict=True))
+    assert gw and gg.keys() == gw.keys()
+    for name in gw:
+        assert ((gg[name] - gw[name]).norm() / gw[name].norm()).item() < 1e-5, name
+
+
 def test_the_omni_thinker_text_norms_and_routers_are_recognized(tmp_path):
     from samebits.model.tiny_omni import build_tiny_omni_checkpoint
 

@@ -72,6 +72,8 @@ def run_arms(config, arms, spawn: bool = True, log=_flushed, warmup_steps: int =
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         raise ValueError(f"arms: unknown {unknown}; choose from {list(ARMS)}")
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0 (0: no warm-up run), got {warmup_steps}")
     if warmup_steps:
         log(f"warm-up run of {arms[0]}, {warmup_steps} steps (thrown away):")
         _run_in(replace(config, steps=warmup_steps, **ARMS[arms[0]]), spawn, log)

@@ -115,6 +115,7 @@ class RLLoop:
             "replica_digest": sync["replica"],
             "trainer_digest": sync["trainer"],
             "rewards": rewards,
+            "advantage_abs_max": float(adv.abs().max()) if adv.numel() else 0.0,
             "lengths": [len(r) for r in responses],
             "times": t | {"step": sum(t.values())},
             **update,

@@ -193,6 +193,7 @@ def combine(step: int, ranks: list[dict], digests_checked: int) -> dict:
         "digests_agree": len(digests) == 1,  # every replica and every rank's gathered tensors
         "reward_mean": mean(rewards),
         "reward_std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
+        "advantage_abs_max": max(r["advantage_abs_max"] for r in ranks),  # 0: no group's rewards differ
         "response_len_mean": mean(lengths),
         "response_len_min": min(lengths),
         "response_len_max": max(lengths),

@@ -177,15 +177,21 @@ class _Router(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_weights, _grad_index):
         logits, index = ctx.saved_tensors
-        p = torch.softmax(logits.float(), dim=-1)  # [T, E]
+        z = logits.float()
+        p = torch.ops.aten._softmax.out(z, -1, False, out=torch.empty_like(z))  # [T, E]
         v = p.gather(1, index)  # [T, K]
         dv = grad_weights.float()
         if ctx.norm_topk_prob:
-            total = v.sum(-1, keepdim=True)
-            dv = (dv - (dv * v).sum(-1, keepdim=True) / total) / total
+            total = _row_sum(v)
+            dv = (dv - _row_sum(dv * v) / total) / total
         dp = torch.zeros_like(p).scatter_(1, index, dv)
-        dz = p * (dp - (dv * v).sum(-1, keepdim=True))  # softmax: p * (dp - <dp, p>)
+        dz = p * (dp - _row_sum(dv * v))  # softmax: p * (dp - <dp, p>)
         return dz.to(logits.dtype), None, None
+
+
+def _row_sum(x: torch.Tensor) -> torch.Tensor:
+    """[T, K] -> [T, 1] on the out= overload (autograd's thread: not behind the overrides' wrapper)."""
+    return torch.sum(x, -1, keepdim=True, out=x.new_empty(x.shape[0], 1))
 
 
 def _router_forward(self, hidden_states: torch.Tensor):
