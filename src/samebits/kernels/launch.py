@@ -21,9 +21,9 @@ compile time have not changed since (samebits' kernels read constants only).
 
 Triton's path is kept when a launch hook or a pre-run hook is set (profilers such as proton),
 for a constexpr passed by position, an argument it has no class for, a callable grid, under
-Triton's CPU interpreter, and everywhere with
-`SAMEBITS_FAST_LAUNCH=0` in the environment (there `fast_launch` returns the kernel itself):
-the switch for A/B timing, and the way out should a Triton release specialize otherwise.
+Triton's CPU interpreter, on a Triton release it was not checked against (`CHECKED_TRITON`),
+and everywhere with `SAMEBITS_FAST_LAUNCH=0` in the environment (in those three
+`fast_launch` returns the kernel itself): the switch for A/B timing, and the way out.
 """
 
 from __future__ import annotations
@@ -116,11 +116,18 @@ def _hooks_set() -> bool:
     return bool(knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls)
 
 
+# Triton releases whose specializer `_arg_class` was checked against (tests/test_launch.py) and
+# whose `JITFunction.run` / C launcher calls `FastLaunch` mirrors. Any other keeps Triton's path.
+CHECKED_TRITON = ("3.6.",)
+
+
 def fast_launch(fn):
     """Decorator over `@triton.jit` (see the module docstring); under Triton's CPU
-    interpreter, or with SAMEBITS_FAST_LAUNCH=0, it returns `fn` unchanged."""
+    interpreter, with SAMEBITS_FAST_LAUNCH=0, or on a Triton release not in CHECKED_TRITON,
+    it returns `fn` unchanged."""
+    import triton
     from triton.runtime.jit import JITFunction
 
-    if os.environ.get("SAMEBITS_FAST_LAUNCH", "1") == "0":
+    if os.environ.get("SAMEBITS_FAST_LAUNCH", "1") == "0" or not triton.__version__.startswith(CHECKED_TRITON):
         return fn
     return FastLaunch(fn) if isinstance(fn, JITFunction) else fn
