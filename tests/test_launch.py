@@ -5,6 +5,7 @@ The first test needs Triton only (its specializer runs on the host); the others 
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -168,3 +169,22 @@ def test_bound_launch_steps_aside_for_launch_hooks(monkeypatch):
     finally:
         knobs.runtime.launch_enter_hook.remove(seen.append)
     assert len(seen) == 1
+
+
+def test_fast_launch_is_on_for_the_checked_triton(monkeypatch):
+    """On a Triton release in CHECKED_TRITON every launched kernel wears it; on another, or with
+    SAMEBITS_FAST_LAUNCH=0, the decorator hands the JIT function back."""
+    from samebits.kernels import launch
+    from samebits.kernels import matmul_triton as mt
+
+    checked = triton.__version__.startswith(launch.CHECKED_TRITON)
+    if os.environ.get("SAMEBITS_FAST_LAUNCH", "1") != "0":
+        assert isinstance(mt.matmul_kernel, launch.FastLaunch) == checked
+    jit = getattr(mt.matmul_kernel, "fn", mt.matmul_kernel)
+    monkeypatch.setattr(triton, "__version__", "99.0.0")
+    assert launch.fast_launch(jit) is jit
+    monkeypatch.setattr(triton, "__version__", launch.CHECKED_TRITON[0] + "0")
+    monkeypatch.setenv("SAMEBITS_FAST_LAUNCH", "0")
+    assert launch.fast_launch(jit) is jit
+    monkeypatch.delenv("SAMEBITS_FAST_LAUNCH")
+    assert isinstance(launch.fast_launch(jit), launch.FastLaunch)
