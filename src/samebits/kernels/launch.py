@@ -70,7 +70,7 @@ class FastLaunch:
         self._bound: dict[tuple, tuple] = {}  # key -> (compiled kernel, tail of constexpr names)
 
     def __getattr__(self, name):
-        if name == "fn" or name.startswith("__"):  # not set yet (copy, pickle): no recursion
+        if name in ("fn", "_runtime_params", "_constexprs", "_bound"):  # not set yet (copy): no recursion
             raise AttributeError(name)
         return getattr(self.fn, name)
 
