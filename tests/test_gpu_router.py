@@ -94,3 +94,23 @@ def test_unsupported_shapes_take_the_composite():
         w, i = ops.router(logits, 4, True)
         w2, i2 = composite.router(logits, 4, True)
     assert torch.equal(w, w2) and torch.equal(i, i2)
+
+
+@pytest.mark.parametrize("e,k", [(128, 8), (60, 4), (128, 1), (16, 2), (40, 32)])
+def test_torch_topk_tie_order_on_cuda_is_the_written_out_reference(e, k):
+    """CUDA `torch.topk` on rows full of ties (values from a set of 4; the router's softmax with
+    duplicated expert rows) equals `topk_cuda_order_ref`, values and indices: what a one-launch
+    router must reproduce. Control: ties ordered by index (a stable sort) differ from it."""
+    from samebits.kernels.topk_order import topk_cuda_order_ref
+
+    g = torch.Generator(device="cuda").manual_seed(e * 100 + k)
+    ties = torch.randint(0, 4, (1024, e), device="cuda", generator=g).float() / 4
+    logits = torch.randn(1024, e, device="cuda", generator=g)
+    logits[:, 1::3] = logits[:, 0::3][:, : logits[:, 1::3].shape[1]]  # experts tied in threes
+    probs = torch.softmax(logits, -1)
+    for x in (ties, probs):
+        values, indices = torch.topk(x, k)
+        want_v, want_i = topk_cuda_order_ref(x, k)
+        assert torch.equal(values.cpu(), want_v) and torch.equal(indices.cpu(), want_i)
+    stable_v, stable_i = torch.sort(ties, dim=-1, descending=True, stable=True)
+    assert k == 1 or not torch.equal(stable_i[:, :k].cpu(), topk_cuda_order_ref(ties, k)[1])
