@@ -114,3 +114,31 @@ def test_torch_topk_tie_order_on_cuda_is_the_written_out_reference(e, k):
         assert torch.equal(values.cpu(), want_v) and torch.equal(indices.cpu(), want_i)
     stable_v, stable_i = torch.sort(ties, dim=-1, descending=True, stable=True)
     assert k == 1 or not torch.equal(stable_i[:, :k].cpu(), topk_cuda_order_ref(ties, k)[1])
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize("t", [1, 7, 300, 4096])
+def test_one_launch_router_gives_the_transformers_router_bits(t, norm_topk_prob):
+    """`router_one_launch` (softmax, top-k in torch's CUDA order, renorm, cast in one launch)
+    equals transformers' router inside batch_invariant(), experts 5 and 9 tied on every token,
+    plus logits tied in threes. Control: its tied slots put in index order differ (t = 4096)."""
+    from samebits.kernels import router_one_launch
+
+    router = _router(norm_topk_prob)
+    g = torch.Generator(device="cuda").manual_seed(t + 1)
+    x = torch.randn(t, H, device="cuda", generator=g).bfloat16()
+    with torch.no_grad(), batch_invariant():
+        _, want_weights, want_index = router(x)
+        logits = torch.nn.functional.linear(x, router.weight)
+    weights, index = router_one_launch.router(logits, K, norm_topk_prob)
+    assert torch.equal(index, want_index) and torch.equal(weights, want_weights)
+    tied = logits.clone()
+    tied[:, 1::3] = tied[:, 0::3][:, : tied[:, 1::3].shape[1]]
+    with batch_invariant():
+        want = torch.topk(torch.nn.functional.softmax(tied, dtype=torch.float, dim=-1), K)[1]
+    assert torch.equal(router_one_launch.router(tied, K, norm_topk_prob)[1], want)
+    if t == 4096:  # the control: ties by index, as a stable sort would put them
+        stable = torch.sort(
+            torch.nn.functional.softmax(tied, dtype=torch.float, dim=-1), -1, descending=True, stable=True
+        )[1][:, :K]
+        assert not torch.equal(stable, want)
