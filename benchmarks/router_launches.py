@@ -37,7 +37,7 @@ def main() -> None:
             b = router_one_launch.router(x, K, True)
             same.append(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
         us = [
-            1000 * triton.testing.do_bench_cudagraph(lambda f=f: f(logits, K, True), rep=50)
+            1000 * triton.testing.do_bench_cudagraph(lambda f=f, x=logits: f(x, K, True), rep=50)
             for f in (router_triton.router, router_one_launch.router)
         ]
         print(f"{t:>6} {us[0]:>17.1f} {us[1]:>14.1f}  {same}")
