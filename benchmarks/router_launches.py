@@ -5,8 +5,8 @@
 At the Qwen3-30B-A3B router shape (128 experts, top-8, bf16 logits), times
 `router_triton.router` (softmax kernel, torch.topk's gather and sort, renorm kernel) and
 `router_one_launch.router` in a CUDA graph (as the engine replays decode), and says whether
-their weights and indices are equal, on random logits and on logits with experts tied in
-threes (where only torch.topk's tie order makes them equal).
+their weights and indices are equal, on random logits and on logits with expert 3j+1 tied to
+expert 3j (where only torch.topk's tie order makes them equal).
 """
 
 from __future__ import annotations

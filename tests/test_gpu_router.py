@@ -106,7 +106,7 @@ def test_torch_topk_tie_order_on_cuda_is_the_written_out_reference(e, k):
     g = torch.Generator(device="cuda").manual_seed(e * 100 + k)
     ties = torch.randint(0, 4, (1024, e), device="cuda", generator=g).float() / 4
     logits = torch.randn(1024, e, device="cuda", generator=g)
-    logits[:, 1::3] = logits[:, 0::3][:, : logits[:, 1::3].shape[1]]  # experts tied in threes
+    logits[:, 1::3] = logits[:, 0::3][:, : logits[:, 1::3].shape[1]]  # expert 3j+1 = expert 3j
     probs = torch.softmax(logits, -1)
     for x in (ties, probs):
         values, indices = torch.topk(x, k)
@@ -121,7 +121,8 @@ def test_torch_topk_tie_order_on_cuda_is_the_written_out_reference(e, k):
 def test_one_launch_router_gives_the_transformers_router_bits(t, norm_topk_prob):
     """`router_one_launch` (softmax, top-k in torch's CUDA order, renorm, cast in one launch)
     equals transformers' router inside batch_invariant(), experts 5 and 9 tied on every token,
-    plus logits tied in threes. Control: its tied slots put in index order differ (t = 4096)."""
+    plus logits with expert 3j+1 tied to 3j. Control (t = 4096): ties in index order (a stable
+    sort) are not torch.topk's order, so the equality sees the kernel's tie order."""
     from samebits.kernels import router_one_launch
 
     router = _router(norm_topk_prob)

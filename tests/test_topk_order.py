@@ -28,6 +28,57 @@ def test_ties_keep_the_gathered_set_and_can_leave_index_order():
     assert indices[0].tolist() != list(range(8))
 
 
+@pytest.mark.parametrize(
+    "row,k,want",
+    [
+        ([3.0, 2, 3, 2, 1, 1], 2, [2, 0]),  # CUDA torch.topk's output reported in pytorch/pytorch#127196
+        ([0.5] * 40, 8, [7, 6, 4, 5, 1, 0, 2, 3]),
+        ([0.5] * 40, 3, [2, 1, 0]),
+    ],
+)
+def test_tie_orders_pinned(row, k, want):
+    """Exact tie orders of the network (one observed on CUDA): a swap rule with >= for >, or
+    another slot count, changes them."""
+    assert topk_cuda_order_ref(torch.tensor([row]), k)[1][0].tolist() == want
+
+
+_INTERPRETED = """
+import torch, triton
+torch.Tensor.is_cuda = property(lambda self: True)
+import samebits.kernels.router_triton as rt
+import samebits.kernels.router_one_launch as r1
+from samebits.kernels.topk_order import topk_cuda_order_ref
+r1.supported = lambda logits, k: True
+g = torch.Generator().manual_seed(0)
+for t, e, k in [(13, 128, 8), (8, 16, 2), (9, 32, 32), (3, 8, 1)]:
+    for logits in (torch.randn(t, e, generator=g), torch.randint(0, 3, (t, e), generator=g).float()):
+        for norm in (True, False):
+            w, i = r1.router(logits, k, norm)
+            v, want_i = topk_cuda_order_ref(rt.softmax(logits), k)
+            want_w = v
+            if norm:
+                want_w = torch.empty(t, k)
+                rt.renorm_kernel[(triton.cdiv(t, rt.ROWS),)](v.contiguous(), want_w, t, ROWS=rt.ROWS, K=k)
+            assert torch.equal(i, want_i) and torch.equal(w, want_w), (t, e, k, norm)
+print("OK")
+"""
+
+
+def test_one_launch_router_is_the_oracle_in_tritons_interpreter():
+    """`router_one_launch` (fp32 logits, Triton's CPU interpreter) = the softmax kernel, then
+    this order, then the renorm kernel, on random and heavily tied logits. Needs Triton."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr[-2000:]
+
+
 def test_refuses_what_it_does_not_reproduce():
     with pytest.raises(ValueError, match="NaN or -0.0"):
         topk_cuda_order_ref(torch.tensor([[1.0, float("nan"), 0.5]]), 2)

@@ -26,6 +26,8 @@ from samebits.kernels.norm_rope_triton import _row_tree
 from samebits.kernels.router_triton import ROWS, _probs, supported
 from samebits.kernels.topk_order import SORT_SLOTS
 
+assert SORT_SLOTS == 32, "the kernel's network is written for topk_order's 32 slots"
+
 
 @triton.jit
 def _exchange(key, idx, valid, ROWS: tl.constexpr, HALF: tl.constexpr, STRIDE: tl.constexpr):

@@ -2,13 +2,13 @@
 
 The router keeps `torch.topk` between its two Triton launches (`router_triton`), so that the
 experts chosen and their slot order, ties included, are the trainer's by construction. A
-router in one launch must give the same order. For a row of E <= 1024 values and k <= 32,
-PyTorch's CUDA `topk(x, k, largest=True, sorted=True)` runs two kernels
+router in one launch must give the same order. For k <= 32, PyTorch's CUDA (not ROCm)
+`topk(x, k, largest=True, sorted=True)` runs two kernels
 (`aten/src/ATen/native/cuda/TensorTopK.cu`, `SortUtils.cuh`, `Sort.cu`):
 
-1. *gather* (`sbtopk::gatherTopK`): find the k-th largest value v (radix select), then write,
-   in index order, every element > v, then the elements == v, in index order, until k are
-   written;
+1. *gather* (`sbtopk::gatherTopK`; `mbtopk` for long rows writes in the same order): find the
+   k-th largest value v (radix select), then write, in index order, every element > v, then
+   the elements == v, in index order, until k are written;
 2. *sort* (`sortKeyValueInplace`, unstable: `SmallBitonicSort` for k <= 32): a bitonic network
    over 32 slots, the k gathered (value, index) pairs first and the rest marked invalid,
    with the comparator `a > b` and the swap rule `swap = (a > b and valid_a) or not
@@ -18,7 +18,8 @@ PyTorch's CUDA `topk(x, k, largest=True, sorted=True)` runs two kernels
 `topk_cuda_order_ref` is that algorithm in plain Python, for rows without NaN and without
 -0.0 (where the radix order and `>` disagree; a softmax gives neither). Whether it is what the
 installed torch does is a GPU test (`test_gpu_router.py`), run against `torch.topk` on rows
-full of ties. Nothing in the engine uses it yet.
+full of ties. A torch that ordered ties by index under `use_deterministic_algorithms(True)`
+(proposed upstream, not in torch 2.11-2.13) would break it; samebits never turns that on.
 """
 
 from __future__ import annotations
