@@ -53,6 +53,8 @@ def main() -> None:
     p.add_argument("--warmup-steps", type=int, default=2, help="steps of a thrown-away first run (0: none)")
     p.add_argument("--out", default=None, help="write every arm's per-step metrics as JSON")
     args = p.parse_args()
+    if args.warmup_steps < 0:
+        p.error(f"--warmup-steps must be >= 0 (0: no warm-up run), got {args.warmup_steps}")
     arms = args.arms.split(",")
     unknown = [a for a in arms if a not in ARMS]
     if unknown:

@@ -97,9 +97,12 @@ class SamebitsLinear(_Swapped, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _direct(x) or x.dtype != self.weight.dtype:
             return super().forward(x)
-        if _grad(x, self.weight):
-            return _Linear.apply(x, self.weight)
-        return _matmul(x, self.weight)
+        return _linear(x, self.weight)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, weight)` on samebits' matmul: through `_Linear` where gradients flow."""
+    return _Linear.apply(x, weight) if _grad(x, weight) else _matmul(x, weight)
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -199,13 +202,10 @@ def _router_forward(self, hidden_states: torch.Tensor):
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     if not _direct(hidden_states) or hidden_states.dtype != self.weight.dtype:
         return self._samebits_base.forward(self, hidden_states)
-    if _grad(hidden_states, self.weight):
-        logits = _Linear.apply(hidden_states, self.weight)
-        weights, index = _Router.apply(logits, self.top_k, self.norm_topk_prob)
-    else:
-        logits = _matmul(hidden_states, self.weight)
-        weights, index = pick("router", logits.device.type)(logits, self.top_k, self.norm_topk_prob)
-    return logits, weights, index
+    logits = _linear(hidden_states, self.weight)
+    if _grad(logits):
+        return (logits, *_Router.apply(logits, self.top_k, self.norm_topk_prob))
+    return (logits, *pick("router", logits.device.type)(logits, self.top_k, self.norm_topk_prob))
 
 
 def use_samebits_forwards(model: nn.Module) -> int:
