@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from samebits.kernels import topk_order
 from samebits.kernels.topk_order import topk_cuda_order_ref
 
 
@@ -42,11 +43,35 @@ def test_tie_orders_pinned(row, k, want):
     assert topk_cuda_order_ref(torch.tensor([row]), k)[1][0].tolist() == want
 
 
-_INTERPRETED = """
+def test_one_launch_order_is_trusted_only_where_it_was_checked(monkeypatch):
+    """The registry runs the one-launch router only where this order was checked against CUDA
+    torch.topk: a listed torch release, not ROCm, k within the 32-slot network."""
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert topk_order.order_checked(8) and topk_order.order_checked(32)
+    assert not topk_order.order_checked(33) and not topk_order.order_checked(0)
+    monkeypatch.setattr(torch, "__version__", "2.99.0")
+    assert not topk_order.order_checked(8)
+    monkeypatch.setattr(torch, "__version__", "2.11.0+rocm7.0")
+    monkeypatch.setattr(torch.version, "hip", "7.0")
+    assert not topk_order.order_checked(8)
+
+
+_PRELUDE = """
 import torch, triton
+import triton.runtime.interpreter as _ti
+_patch = _ti._patch_lang_tensor
+def _patch_index(tensor, scope):  # numpy >= 2.4 refuses int() of a 1-element array (loop bounds)
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+_ti._patch_lang_tensor = _patch_index
 torch.Tensor.is_cuda = property(lambda self: True)
+"""
+
+_INTERPRETED = """
 import samebits.kernels.router_triton as rt
 import samebits.kernels.router_one_launch as r1
+from samebits.kernels import topk_order
 from samebits.kernels.topk_order import topk_cuda_order_ref
 r1.supported = lambda logits, k: True
 g = torch.Generator().manual_seed(0)
@@ -64,9 +89,29 @@ print("OK")
 """
 
 
-def test_one_launch_router_is_the_oracle_in_tritons_interpreter():
-    """`router_one_launch` (fp32 logits, Triton's CPU interpreter) = the softmax kernel, then
-    this order, then the renorm kernel, on random and heavily tied logits. Needs Triton."""
+_GATE = """
+import samebits.kernels.router_one_launch as r1
+from samebits.kernels import matmul_triton as mt
+r1.supported = lambda logits, k: True
+g = torch.Generator().manual_seed(0)
+unrounded_differs = False
+for t, h, e, k in [(1, 256, 128, 8), (37, 200, 128, 8), (16, 64, 16, 2), (5, 130, 32, 32)]:
+    for dt in (torch.float16, torch.bfloat16):
+        x = torch.randn(t, h, generator=g).to(dt)
+        w = (torch.randn(e, h, generator=g) * h ** -0.5).to(dt)
+        for norm in (True, False):
+            got = r1.gate(x, w, k, norm)
+            want = r1.router(mt.matmul(x, w.t()), k, norm)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (t, h, e, k, dt, norm)
+            # control: the router on the fp32 logits before the linear's rounding
+            unrounded = r1.router(x.float() @ w.float().t(), k, norm)[0].to(dt)
+            unrounded_differs |= not torch.equal(unrounded, got[0])
+assert unrounded_differs
+print("OK")
+"""
+
+
+def _interpreted(script: str) -> None:
     import os
     import subprocess
     import sys
@@ -74,9 +119,23 @@ def test_one_launch_router_is_the_oracle_in_tritons_interpreter():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _PRELUDE + script], env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr[-2000:]
+
+
+def test_one_launch_router_is_the_oracle_in_tritons_interpreter():
+    """`router_one_launch` (fp32 logits, Triton's CPU interpreter) = the softmax kernel, then
+    this order, then the renorm kernel, on random and heavily tied logits. Needs Triton."""
+    _interpreted(_INTERPRETED)
+
+
+def test_gate_is_the_matmul_then_the_router_in_tritons_interpreter():
+    """`router_one_launch.gate` (the linear's K loop and the router in one program, Triton's CPU
+    interpreter) = the Triton matmul, then the one-launch router, at odd T and H, fp16 and bf16.
+    Control: the router on the fp32 products before the linear's rounding gives other weights,
+    so the equality sees the rounding of the logits the kernel keeps in registers."""
+    _interpreted(_GATE)
 
 
 def test_refuses_what_it_does_not_reproduce():

@@ -30,6 +30,16 @@ import torch
 
 SORT_SLOTS = 32  # SmallBitonicSort's sort_size: every k <= 32 sorts in 32 slots
 
+# torch releases whose CUDA torch.topk was checked on a GPU to give this order
+# (test_gpu_router.py::test_torch_topk_tie_order_on_cuda_is_the_written_out_reference)
+TOPK_ORDER_TORCH = ("2.11.",)
+
+
+def order_checked(k: int) -> bool:
+    """Whether a kernel that writes this order out gives the installed torch's `topk(x, k)`:
+    CUDA (not ROCm, whose topk is another kernel) torch in TOPK_ORDER_TORCH, k <= 32."""
+    return 1 <= k <= SORT_SLOTS and torch.version.hip is None and torch.__version__.startswith(TOPK_ORDER_TORCH)
+
 
 def topk_cuda_order_ref(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, E] float -> (values [T, k], indices [T, k] int64) as CUDA `torch.topk(x, k)` gives

@@ -284,7 +284,19 @@ def _log_softmax_cuda(x, dim, out_dtype, tree):
     return log_softmax_ref(x, dim, out_dtype, tree)
 
 
-_FUSED_ROUTER = _lazy("samebits.kernels.router_triton", "router")
+_ROUTER_FOUR_LAUNCHES = _lazy("samebits.kernels.router_triton", "router")
+_ROUTER_ONE_LAUNCH = _lazy("samebits.kernels.router_one_launch", "router")
+
+
+def _fused_router(router_logits, top_k, norm_topk_prob):
+    """One launch where `torch.topk`'s CUDA tie order is written out and was checked on a GPU
+    against this torch (`topk_order.order_checked`); else the softmax and renorm kernels
+    around `torch.topk` itself. Both give the composite's bits inside batch_invariant()."""
+    from samebits.kernels.topk_order import order_checked
+
+    if order_checked(top_k):
+        return _ROUTER_ONE_LAUNCH(router_logits, top_k, norm_topk_prob)
+    return _ROUTER_FOUR_LAUNCHES(router_logits, top_k, norm_topk_prob)
 
 
 def _fused_router_ok(router_logits, top_k) -> bool:
@@ -300,14 +312,46 @@ def _fused_router_ok(router_logits, top_k) -> bool:
 # aten's stock softmax and sum, so the exact profile keeps the composite there.
 def _router_exact_cuda(router_logits, top_k, norm_topk_prob):
     if scope.invariant_depth() and _fused_router_ok(router_logits, top_k):
-        return _FUSED_ROUTER(router_logits, top_k, norm_topk_prob)
+        return _fused_router(router_logits, top_k, norm_topk_prob)
     return composite.router(router_logits, top_k, norm_topk_prob)
 
 
 def _router_fast_cuda(router_logits, top_k, norm_topk_prob):
     if _fused_router_ok(router_logits, top_k):
-        return _FUSED_ROUTER(router_logits, top_k, norm_topk_prob)
+        return _fused_router(router_logits, top_k, norm_topk_prob)
     return composite.router(router_logits, top_k, norm_topk_prob)
+
+
+def _gate_separate(x, weight, top_k, norm_topk_prob):
+    """The router's linear, then the registry's router (transformers' two steps)."""
+    return pick("router", x.device.type)(F.linear(x, weight), top_k, norm_topk_prob)
+
+
+_GATE_ONE_LAUNCH = _lazy("samebits.kernels.router_one_launch", "gate")
+
+
+def _gate_fused_ok(x, weight, top_k) -> bool:
+    if not triton_available():
+        return False
+    from samebits.kernels.router_one_launch import gate_supported
+    from samebits.kernels.topk_order import order_checked
+
+    return order_checked(top_k) and gate_supported(x, weight, top_k)
+
+
+# One launch for the linear and the router where the linear would be the Triton matmul (inside
+# batch_invariant(), whose bits the fused K loop has) and torch.topk's order was checked; the
+# fast profile takes it everywhere it applies.
+def _gate_exact_cuda(x, weight, top_k, norm_topk_prob):
+    if scope.invariant_depth() and _gate_fused_ok(x, weight, top_k):
+        return _GATE_ONE_LAUNCH(x, weight, top_k, norm_topk_prob)
+    return _gate_separate(x, weight, top_k, norm_topk_prob)
+
+
+def _gate_fast_cuda(x, weight, top_k, norm_topk_prob):
+    if _gate_fused_ok(x, weight, top_k):
+        return _GATE_ONE_LAUNCH(x, weight, top_k, norm_topk_prob)
+    return _gate_separate(x, weight, top_k, norm_topk_prob)
 
 
 # -- the table ----------------------------------------------------------------------------------
@@ -331,11 +375,17 @@ TABLE: dict[str, dict[str, dict[str, Callable]]] = {
     # batch_invariant()'s log_softmax (x, dim, out dtype, the device's tree sum): on CUDA the
     # sampler's kernels over the vocabulary
     "log_softmax": {"cpu": {ANY: log_softmax_ref}, "cuda": {ANY: _log_softmax_cuda}},
-    # the MoE router after its linear (softmax, top-k, renorm, cast): on CUDA two launches
-    # around torch.topk
+    # the MoE router after its linear (softmax, top-k, renorm, cast): on CUDA one launch
+    # (torch.topk's order checked on this torch) or two around torch.topk
     "router": {
         "cpu": {ANY: composite.router},
         "cuda": {"exact": _router_exact_cuda, "fast": _router_fast_cuda},
+    },
+    # the router with its linear (x, gate weight, top_k, norm): on CUDA one launch, the logits
+    # kept in registers (kernels/router_one_launch.py gate)
+    "gate": {
+        "cpu": {ANY: _gate_separate},
+        "cuda": {"exact": _gate_exact_cuda, "fast": _gate_fast_cuda},
     },
     # MoE experts: samebits' batch-invariant kernels (exact); the fast profile: the stock twin on
     # the CPU; on CUDA the Triton kernel too, faster than torch's grouped_mm at every size
