@@ -260,8 +260,9 @@ def experts_forward(
         return hidden_states.new_zeros(0, h)
     order, offsets = _route(top_k_index, e)
     in_grid = m_in_grid_for(t * k) if m_in_grid is None else m_in_grid
-    # M_IN_GRID: every expert's last block may be partial, so at most cdiv(pairs, BLOCK_M) + E blocks
-    rows_axis = triton.cdiv(t * k, block_m) + e if in_grid else e
+    # M_IN_GRID: an expert's blocks are floor(its pairs / BLOCK_M), plus one partial block if it
+    # has pairs at all, so at most cdiv(pairs, BLOCK_M) + min(E, pairs) blocks (9 at one token)
+    rows_axis = triton.cdiv(t * k, block_m) + min(e, t * k) if in_grid else e
     grid_m = dict(M_IN_GRID=in_grid, E=e, E_PAD=triton.next_power_of_2(e))
     inter = torch.empty(t * k, i, dtype=hidden_states.dtype, device=hidden_states.device)
     gate_up_kernel[(rows_axis, triton.cdiv(i, block_n))](
