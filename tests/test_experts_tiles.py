@@ -7,36 +7,42 @@ from __future__ import annotations
 import pytest
 
 from samebits.kernels import experts_tiles
-from samebits.kernels.experts_tiles import LARGE_TILES, SMALL_TILES, TILES_FROM_PAIRS, tiles_for
+from samebits.kernels.experts_tiles import DECODE_TILES, LARGE_TILES, SMALL_TILES, TILES_FROM_PAIRS, tiles_for
 
 
 @pytest.mark.parametrize(
     ("tokens", "want"),
-    [(0, SMALL_TILES), (1, SMALL_TILES), (512, SMALL_TILES), (1023, SMALL_TILES)]
+    [(0, DECODE_TILES), (1, DECODE_TILES), (64, DECODE_TILES), (127, DECODE_TILES)]
+    + [(128, SMALL_TILES), (512, SMALL_TILES), (1023, SMALL_TILES)]
     + [(1024, LARGE_TILES), (1500, LARGE_TILES), (4096, LARGE_TILES), (65536, LARGE_TILES)],
 )
-def test_decode_keeps_the_small_tiles_and_prefill_chunks_get_the_large_ones(tokens, want):
+def test_decode_batches_get_narrow_tiles_and_prefill_chunks_the_large_ones(tokens, want):
     assert tiles_for(tokens * 8) == want  # top-8: the Qwen3-30B-A3B and Omni thinker experts
 
 
-def test_the_switch_is_at_8192_pairs_and_the_two_entries_differ():
+def test_the_switches_are_at_1024_and_8192_pairs_and_the_entries_differ():
+    assert tiles_for(1023) == DECODE_TILES and tiles_for(1024) == SMALL_TILES
     assert tiles_for(8191) == SMALL_TILES and tiles_for(8192) == LARGE_TILES
-    assert SMALL_TILES != LARGE_TILES  # else the GPU tests across the switch compare a config with itself
+    # else the GPU tests across a switch compare a configuration with itself
+    assert len({DECODE_TILES, SMALL_TILES, LARGE_TILES}) == 3
 
 
-def test_row_blocks_go_in_the_grid_with_the_large_tiles():
-    """The grid layout (same row blocks, same bits: tests/test_gpu_experts_tiles.py) from the
-    large tiles' first batch on, never for decode batches."""
+def test_row_blocks_go_in_the_grid_for_decode_and_the_large_tiles():
+    """The grid layout (same row blocks, same bits: tests/test_gpu_experts_tiles.py) below 1024
+    pairs (only experts with rows get programs) and from the large tiles' first batch on, not
+    between."""
+    assert experts_tiles.m_in_grid_for(0) and experts_tiles.m_in_grid_for(8) and experts_tiles.m_in_grid_for(1023)
+    assert not experts_tiles.m_in_grid_for(1024) and not experts_tiles.m_in_grid_for(8191)
     assert experts_tiles.m_in_grid_for(8192) and experts_tiles.m_in_grid_for(65536)
-    assert not experts_tiles.m_in_grid_for(8191) and not experts_tiles.m_in_grid_for(8)
 
 
 def test_the_table_holds_no_k_step_and_its_entries_are_launchable():
     """Entries are (BLOCK_M, BLOCK_N, warps, stages) only: BLOCK_K is one module constant, so no
     batch size can change an element's K order. Tiles are powers of two >= 16 (tl.dot)."""
-    starts = [start for start, _ in TILES_FROM_PAIRS]
+    starts = [start for start, _, _ in TILES_FROM_PAIRS]
     assert starts[0] == 0 and starts == sorted(set(starts))
-    for _, (block_m, block_n, warps, stages) in TILES_FROM_PAIRS:
+    for _, (block_m, block_n, warps, stages), in_grid in TILES_FROM_PAIRS:
+        assert isinstance(in_grid, bool)
         for size in (block_m, block_n):
             assert size >= 16 and size & (size - 1) == 0, size
         assert warps in (1, 2, 4, 8, 16) and stages >= 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from samebits.kernels.experts_tiles import LARGE_TILES, SMALL_TILES, tiles_for
+from samebits.kernels.experts_tiles import DECODE_TILES, LARGE_TILES, SMALL_TILES, tiles_for
 
 pytestmark = pytest.mark.gpu
 
@@ -38,26 +38,26 @@ def _forward(inputs, rows=slice(None), **kw):
     return experts_forward(x[rows], index[rows], weights[rows], gate_up, down, **kw)
 
 
-@pytest.mark.parametrize("t", [8, 1023, 1024, T_BIG])
-def test_the_automatic_tiles_give_the_bits_of_either_entry_forced(inputs, t):
-    """On both sides of the switch (1024 tokens at top-8), the table's choice, the small tiles
-    forced and the large tiles forced, each with the row blocks walked in a program or laid out
-    in the grid, give one result, bit for bit."""
+@pytest.mark.parametrize("t", [1, 8, 127, 128, 1023, 1024, T_BIG])
+def test_the_automatic_tiles_give_the_bits_of_every_entry_forced(inputs, t):
+    """On both sides of each switch (128 and 1024 tokens at top-8), the table's choice and each
+    entry forced, with the row blocks walked in a program or laid out in the grid, give one
+    result, bit for bit."""
     rows = slice(T_BIG - t, T_BIG)
     auto = _forward(inputs, rows)
-    for tiles in (SMALL_TILES, LARGE_TILES):
+    for tiles in (DECODE_TILES, SMALL_TILES, LARGE_TILES):
         for m_in_grid in (False, True):  # an expert's row blocks walked by one program, or in the grid
             assert torch.equal(auto, _forward(inputs, rows, tiles=tiles, m_in_grid=m_in_grid)), (t, tiles)
 
 
 def test_rows_of_a_prefill_sized_call_equal_the_same_rows_in_decode_sized_calls(inputs):
     """Rows computed inside one T_BIG call (large tiles) equal them computed in calls under the
-    switch (small tiles), at the start, middle and end of the batch; and in a second call
-    over the switch at another offset."""
+    switches (small and decode tiles), at the start, middle and end of the batch; and in a
+    second call over the switch at another offset."""
     assert tiles_for(T_BIG * K) == LARGE_TILES
     full = _forward(inputs)
     for start, m in ((0, 1), (T_BIG - 1, 1), (700, 7), (333, 64), (1100, 300), (0, 1023), (T_BIG - 1024, 1024)):
-        assert tiles_for(m * K) == (LARGE_TILES if m >= 1024 else SMALL_TILES)
+        assert tiles_for(m * K) == (LARGE_TILES if m >= 1024 else SMALL_TILES if m >= 128 else DECODE_TILES)
         rows = slice(start, start + m)
         assert torch.equal(_forward(inputs, rows), full[rows]), (start, m)
 
@@ -82,7 +82,7 @@ def test_control_another_k_order_changes_the_bits_the_tiles_do_not(inputs, reord
     K order, and at this shape the K order is visible. The same products summed from another
     start (exactly the same math) give other bits, in both kernels, with either tile entry;
     the difference is rounding-sized."""
-    for tiles in (SMALL_TILES, LARGE_TILES):
+    for tiles in (DECODE_TILES, SMALL_TILES, LARGE_TILES):
         base = _forward(inputs, tiles=tiles)
         other = _forward(reorder(inputs, 40), tiles=tiles)
         assert not torch.equal(other, base), tiles

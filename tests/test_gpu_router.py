@@ -152,32 +152,3 @@ def test_one_launch_router_gives_the_transformers_router_bits(t, norm_topk_prob)
         )[1][:, :K]
         assert not torch.equal(stable, want)
 
-
-@pytest.mark.parametrize("norm_topk_prob", [True, False])
-@pytest.mark.parametrize("t", [1, 7, 16, 300, 4096])
-def test_gate_gives_the_transformers_router_bits_linear_included(t, norm_topk_prob, monkeypatch):
-    """`ops.gate` on CUDA inside batch_invariant() runs `router_one_launch.gate` (the linear's K
-    loop and the router in one launch, the logits never stored) and equals transformers' router
-    module, linear included. Control (t = 4096): the router on cuBLAS's logits (the stock linear,
-    outside batch_invariant()) gives other weights, so the equality sees the linear's bits."""
-    from samebits.kernels import router_one_launch, topk_order
-
-    if not topk_order.order_checked(K):
-        pytest.skip(f"torch {torch.__version__}: topk's tie order not checked for the one-launch router")
-    router = _router(norm_topk_prob)
-    g = torch.Generator(device="cuda").manual_seed(t + 2)
-    x = torch.randn(t, H, device="cuda", generator=g).bfloat16()
-    calls = []
-    fused = router_one_launch.gate
-    monkeypatch.setattr(router_one_launch, "gate", lambda *a: calls.append(1) or fused(*a))
-    with torch.no_grad(), batch_invariant():
-        _, want_weights, want_index = router(x)
-        weights, index = ops.gate(x, router.weight, K, norm_topk_prob)
-    assert calls, "the exact profile's gate on CUDA should take the one-launch kernel"
-    assert torch.equal(index, want_index) and torch.equal(weights, want_weights)
-    if t == 4096:
-        with torch.no_grad():
-            stock_logits = torch.nn.functional.linear(x, router.weight)
-        with batch_invariant():
-            stock_weights = ops.router(stock_logits, K, norm_topk_prob)[0]
-        assert not torch.equal(stock_weights, weights)

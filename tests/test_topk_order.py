@@ -89,28 +89,6 @@ print("OK")
 """
 
 
-_GATE = """
-import samebits.kernels.router_one_launch as r1
-from samebits.kernels import matmul_triton as mt
-r1.supported = lambda logits, k: True
-g = torch.Generator().manual_seed(0)
-unrounded_differs = False
-for t, h, e, k in [(1, 256, 128, 8), (37, 200, 128, 8), (16, 64, 16, 2), (5, 130, 32, 32)]:
-    for dt in (torch.float16, torch.bfloat16):
-        x = torch.randn(t, h, generator=g).to(dt)
-        w = (torch.randn(e, h, generator=g) * h ** -0.5).to(dt)
-        for norm in (True, False):
-            got = r1.gate(x, w, k, norm)
-            want = r1.router(mt.matmul(x, w.t()), k, norm)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (t, h, e, k, dt, norm)
-            # control: the router on the fp32 logits before the linear's rounding
-            unrounded = r1.router(x.float() @ w.float().t(), k, norm)[0].to(dt)
-            unrounded_differs |= not torch.equal(unrounded, got[0])
-assert unrounded_differs
-print("OK")
-"""
-
-
 def _interpreted(script: str) -> None:
     import os
     import subprocess
@@ -129,13 +107,6 @@ def test_one_launch_router_is_the_oracle_in_tritons_interpreter():
     this order, then the renorm kernel, on random and heavily tied logits. Needs Triton."""
     _interpreted(_INTERPRETED)
 
-
-def test_gate_is_the_matmul_then_the_router_in_tritons_interpreter():
-    """`router_one_launch.gate` (the linear's K loop and the router in one program, Triton's CPU
-    interpreter) = the Triton matmul, then the one-launch router, at odd T and H, fp16 and bf16.
-    Control: the router on the fp32 products before the linear's rounding gives other weights,
-    so the equality sees the rounding of the logits the kernel keeps in registers."""
-    _interpreted(_GATE)
 
 
 def test_refuses_what_it_does_not_reproduce():

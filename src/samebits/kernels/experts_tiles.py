@@ -21,13 +21,27 @@ H 2048, I 768), the whole layer's gate_up + down (H200, 2026-12-04, `experts_con
 "grid": the row blocks in the launch grid, `m_in_grid_for`):
 
     tiles                       T=256  T=1024  T=2048  T=4096  T=8192
-    (64, 64, 4, 3)                329     645    1077    1937    3709  <- N < 8192 (decode)
+    (64, 64, 4, 3)                329     645    1077    1937    3709  <- 1024 <= N < 8192
     (128, 128, 8, 3)              434     583     865    1402    2497     (the table until then)
     (128, 128, 8, 3) grid         440     586     788    1205    2066
     (128, 128, 8, 4) grid         401     559     724    1113    1959  <- N >= 8192 (prefill)
 
 The last is 0.78-0.79x the old large entry at T >= 4096: 6.2 x 10^11 FLOP in 1,959 us at
 T = 8192, 316 TFLOP/s, a third of the tensor peak. Every entry gave the default's bits.
+
+The decode entry, from `benchmarks/experts_decode.py` (H200, 2026-12-04, twelfth session; the
+whole `experts_forward` in a CUDA graph over 8 layers of distinct weights, us a layer; every
+configuration gave the table's bits):
+
+    tiles, rows in grid         T=1    T=4   T=16   T=64  T=256
+    floor (touched experts)    17.6   63.7  191.0  276.6  281.0
+    (64, 64, 4, 3) walked      44.7   80.0  216.9  310.9  334.4   (the table until then)
+    (16, 32, 2, 6) grid        29.3   79.6  205.4  296.1  355.4   <- N < 1024 (T < 128)
+    (32, 64, 4, 4) grid        33.7   81.4  215.4  310.0  333.2
+
+At one token the small tiles ran 96 programs with rows among 1,536 (8 experts x 12 column
+tiles of 64), each streaming a 512 KB slab on a 3-stage pipeline; (16, 32) tiles with rows in
+the grid give 9 x 24 programs, 192 of them with rows, on 6 stages.
 
 At decode sizes the large tiles leave most of each 128-row tile empty (T * 8 / 128
 experts = 16 rows per expert at T = 256). Between the entries: at T = 1024 the small tiles
@@ -41,10 +55,22 @@ with less (`experts_triton._stages_that_fit`), which changes no bit.
 from __future__ import annotations
 
 BLOCK_K = 64  # the K step of both kernels, for every batch: fixes each element's K order
-SMALL_TILES = (64, 64, 4, 3)  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+DECODE_TILES = (16, 32, 2, 6)  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+SMALL_TILES = (64, 64, 4, 3)
 LARGE_TILES = (128, 128, 8, 4)
-# (first N = routed pairs, tiles), starts increasing: the last entry whose start <= N is used
-TILES_FROM_PAIRS = ((0, SMALL_TILES), (8192, LARGE_TILES))  # 8192 pairs = 1024 tokens at top-8
+# (first N = routed pairs, tiles, row blocks in the grid), starts increasing: the last entry
+# whose start <= N is used. 1024 pairs = 128 tokens, 8192 = 1024 tokens at top-8.
+TILES_FROM_PAIRS = ((0, DECODE_TILES, True), (1024, SMALL_TILES, False), (8192, LARGE_TILES, True))
+
+
+def _entry(pairs: int) -> tuple[int, tuple[int, int, int, int], bool]:
+    if pairs < 0:
+        raise ValueError(f"experts tiles: pairs must be >= 0 (tokens * top_k), got {pairs}")
+    chosen = TILES_FROM_PAIRS[0]
+    for entry in TILES_FROM_PAIRS:
+        if pairs >= entry[0]:
+            chosen = entry
+    return chosen
 
 
 def tiles_for(pairs: int) -> tuple[int, int, int, int]:
@@ -52,21 +78,13 @@ def tiles_for(pairs: int) -> tuple[int, int, int, int]:
 
     Depends on the batch only through its size; BLOCK_K is never part of the choice.
     """
-    if pairs < 0:
-        raise ValueError(f"experts tiles: pairs must be >= 0 (tokens * top_k), got {pairs}")
-    chosen = TILES_FROM_PAIRS[0][1]
-    for start, tiles in TILES_FROM_PAIRS:
-        if pairs >= start:
-            chosen = tiles
-    return chosen
-
-
-# Row blocks in the launch grid (`experts_triton._m_range`) from this many pairs on (the large
-# tiles' range): where an expert has several BLOCK_M blocks, the programs of one weight tile
-# then run side by side instead of one program re-reading the tile for each of its blocks.
-M_IN_GRID_FROM_PAIRS = 8192
+    return _entry(pairs)[1]
 
 
 def m_in_grid_for(pairs: int) -> bool:
-    """Whether a call routing `pairs` pairs puts the experts' row blocks in the grid."""
-    return pairs >= M_IN_GRID_FROM_PAIRS
+    """Whether a call routing `pairs` pairs puts the experts' row blocks in the launch grid
+    (`experts_triton._m_range`): one program per BLOCK_M rows of an expert instead of one per
+    expert walking its rows. The decode entry: only the experts with rows get programs (9 row
+    blocks at one token instead of 128 experts). The large tiles: an expert's several blocks run
+    side by side and share its weight tile in L2 instead of one program re-reading it."""
+    return _entry(pairs)[2]

@@ -12,7 +12,8 @@ pair's own slot. The top-k slots are then summed in a fixed pairwise tree and
 rounded once. No split-K and one BLOCK_K for every batch: each element's K order
 is fixed, so a row's bits depend on its own token and weights alone. The other tile
 choices (BLOCK_M, BLOCK_N, warps, stages) follow the number of routed pairs
-(`experts_tiles.tiles_for`: small tiles for decode, large ones for prefill chunks);
+(`experts_tiles.tiles_for`: narrow tiles below 128 tokens, small ones up to 1024,
+large ones for prefill chunks);
 they never change that order, so they never change a bit. Expert weights
 are read in place in the transformers layout: gate_up_proj [E, 2I, H] ([gate;
 up] on dim 1), down_proj [E, H, I].
@@ -37,11 +38,11 @@ import triton.language as tl
 
 from samebits.kernels.device_facts import shared_memory_per_block
 from samebits.kernels.experts import route
-from samebits.kernels.experts_tiles import BLOCK_K, SMALL_TILES, m_in_grid_for, tiles_for
+from samebits.kernels.experts_tiles import BLOCK_K, DECODE_TILES, m_in_grid_for, tiles_for
 from samebits.kernels.launch import fast_launch
 from samebits.kernels.reduce import tree_sum_ref
 
-BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = SMALL_TILES  # the decode entry of the tile table
+BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = DECODE_TILES  # the decode entry of the tile table
 _DTYPES = (torch.bfloat16, torch.float16)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (development only)
 

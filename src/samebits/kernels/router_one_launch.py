@@ -26,9 +26,7 @@ import triton.language as tl
 
 from samebits.kernels.launch import fast_launch
 from samebits.kernels.norm_rope_triton import _row_tree
-from samebits.kernels.matmul_triton import BLOCK_K
-from samebits.kernels.router_triton import MAX_WIDTH, ROWS, _power_of_two, _probs, supported
-from samebits.kernels.sample_triton import _expf
+from samebits.kernels.router_triton import ROWS, _probs, supported
 from samebits.kernels.topk_order import SORT_SLOTS
 
 assert SORT_SLOTS == 32, "the kernel's network is written for topk_order's 32 slots"
@@ -121,34 +119,6 @@ def router_kernel(
     _top_k_store(p, rows, T, w_ptr, i_ptr, ROWS, E, K, NORM)
 
 
-@fast_launch
-@triton.jit
-def gate_kernel(
-    x_ptr, g_ptr, w_ptr, i_ptr, T, H, stride_x, stride_g,
-    ROWS: tl.constexpr, E: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """x [T, H] @ gate [E, H].T -> the router's weights and indices, with the logits never
-    leaving the program: `matmul_kernel`'s K loop (BLOCK_K steps from 0, fp32 accumulation,
-    one rounding to x's dtype), then `_probs`' softmax on those values, then `_top_k_store`."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, E)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
-    b_ptrs = g_ptr + offs_k[:, None] + cols[None, :] * stride_g
-    acc = tl.zeros((ROWS, E), dtype=tl.float32)
-    for k in range(0, tl.cdiv(H, BLOCK_K)):
-        k_left = H - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=(rows[:, None] < T) & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    x = acc.to(x_ptr.dtype.element_ty).to(tl.float32)  # the linear's output, as F.linear rounds it
-    e = _expf(x - tl.max(x, 1)[:, None])
-    p = tl.div_rn(e, _row_tree(e, ROWS, E)[:, None])  # _probs' roundings, on the values in registers
-    _top_k_store(p, rows, T, w_ptr, i_ptr, ROWS, E, K, NORM)
-
-
 def router(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`router_triton.router`'s outputs in one launch: (weights [T, K] in the logits' dtype,
     indices [T, K] int64). Call only where `router_triton.supported` and top_k <= 32."""
@@ -168,48 +138,3 @@ def router(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tup
         )  # fmt: skip
     return weights, index
 
-
-GATE_ROWS = 16  # tokens a gate program takes: tl.dot's smallest M tile
-_GATE_DTYPES = (torch.bfloat16, torch.float16)  # fp32 would need matmul's IEEE products and its BLOCK_K
-
-
-def gate_supported(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int) -> bool:
-    """Whether `gate` takes these inputs: 2-D CUDA x with contiguous rows, a gate weight [E, H]
-    of x's dtype (bf16 or fp16) with contiguous rows, E and top_k as `router` needs them."""
-    return (
-        x.dim() == 2
-        and gate_weight.dim() == 2
-        and x.is_cuda
-        and gate_weight.is_cuda
-        and x.dtype in _GATE_DTYPES
-        and gate_weight.dtype == x.dtype
-        and x.shape[1] == gate_weight.shape[1]
-        and x.stride(1) == 1
-        and gate_weight.stride(1) == 1
-        and _power_of_two(gate_weight.shape[0])
-        and gate_weight.shape[0] <= MAX_WIDTH
-        and _power_of_two(top_k)
-        and top_k <= min(SORT_SLOTS, gate_weight.shape[0])
-    )
-
-
-def gate(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`router(F.linear(x, gate_weight), top_k, norm_topk_prob)` in one launch, with the Triton
-    matmul's bits for the logits: (weights [T, K] in x's dtype, indices [T, K] int64)."""
-    if not gate_supported(x, gate_weight, top_k):
-        raise ValueError(
-            f"gate (one launch): needs 2-D CUDA x and gate weight [E, H] of one dtype in {_GATE_DTYPES} with "
-            f"contiguous rows, E and top_k powers of two, E <= 256, top_k <= 32; got x {tuple(x.shape)} "
-            f"{x.dtype}, weight {tuple(gate_weight.shape)} {gate_weight.dtype}, top_k {top_k}"
-        )
-    t, h = x.shape
-    e = gate_weight.shape[0]
-    weights = torch.empty(t, top_k, dtype=x.dtype, device=x.device)
-    index = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
-    if t:
-        gate_kernel[(triton.cdiv(t, GATE_ROWS),)](
-            x, gate_weight, weights, index, t, h, x.stride(0), gate_weight.stride(0),
-            ROWS=GATE_ROWS, E=e, K=top_k, NORM=norm_topk_prob, BLOCK_K=BLOCK_K,
-            num_warps=4, enable_fp_fusion=False,
-        )  # fmt: skip
-    return weights, index

@@ -83,7 +83,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
 
     def forward(self, x):  # [T, H] -> weights [T, K], indices [T, K]
-        return ops.gate(x, self.weight, self.top_k, self.norm_topk_prob)
+        return ops.router(F.linear(x, self.weight), self.top_k, self.norm_topk_prob)
 
 
 class Experts(nn.Module):

@@ -184,13 +184,6 @@ def projections(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[torch.Ten
     return pick("projections", x.device.type)(x, weights)
 
 
-def gate(x: Tensor, weight: Tensor, top_k: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor]:
-    """An MoE router with its linear: `router(F.linear(x, weight), top_k, norm_topk_prob)`. On
-    CUDA the registry runs it as one launch (the logits never stored) with the two steps' bits
-    (`router_one_launch.gate`)."""
-    return pick("gate", x.device.type)(x, weight, top_k, norm_topk_prob)
-
-
 def qk_norm_rope_cache(
     q: Tensor,
     k: Tensor,

@@ -322,38 +322,6 @@ def _router_fast_cuda(router_logits, top_k, norm_topk_prob):
     return composite.router(router_logits, top_k, norm_topk_prob)
 
 
-def _gate_separate(x, weight, top_k, norm_topk_prob):
-    """The router's linear, then the registry's router (transformers' two steps)."""
-    return pick("router", x.device.type)(F.linear(x, weight), top_k, norm_topk_prob)
-
-
-_GATE_ONE_LAUNCH = _lazy("samebits.kernels.router_one_launch", "gate")
-
-
-def _gate_fused_ok(x, weight, top_k) -> bool:
-    if not triton_available():
-        return False
-    from samebits.kernels.router_one_launch import gate_supported
-    from samebits.kernels.topk_order import order_checked
-
-    return order_checked(top_k) and gate_supported(x, weight, top_k)
-
-
-# One launch for the linear and the router where the linear would be the Triton matmul (inside
-# batch_invariant(), whose bits the fused K loop has) and torch.topk's order was checked; the
-# fast profile takes it everywhere it applies.
-def _gate_exact_cuda(x, weight, top_k, norm_topk_prob):
-    if scope.invariant_depth() and _gate_fused_ok(x, weight, top_k):
-        return _GATE_ONE_LAUNCH(x, weight, top_k, norm_topk_prob)
-    return _gate_separate(x, weight, top_k, norm_topk_prob)
-
-
-def _gate_fast_cuda(x, weight, top_k, norm_topk_prob):
-    if _gate_fused_ok(x, weight, top_k):
-        return _GATE_ONE_LAUNCH(x, weight, top_k, norm_topk_prob)
-    return _gate_separate(x, weight, top_k, norm_topk_prob)
-
-
 # -- the table ----------------------------------------------------------------------------------
 
 TABLE: dict[str, dict[str, dict[str, Callable]]] = {
@@ -380,12 +348,6 @@ TABLE: dict[str, dict[str, dict[str, Callable]]] = {
     "router": {
         "cpu": {ANY: composite.router},
         "cuda": {"exact": _router_exact_cuda, "fast": _router_fast_cuda},
-    },
-    # the router with its linear (x, gate weight, top_k, norm): on CUDA one launch, the logits
-    # kept in registers (kernels/router_one_launch.py gate)
-    "gate": {
-        "cpu": {ANY: _gate_separate},
-        "cuda": {"exact": _gate_exact_cuda, "fast": _gate_fast_cuda},
     },
     # MoE experts: samebits' batch-invariant kernels (exact); the fast profile: the stock twin on
     # the CPU; on CUDA the Triton kernel too, faster than torch's grouped_mm at every size
