@@ -1,6 +1,6 @@
 """Which Triton tile choices of the MoE experts keep the bits? And what do they cost? (CUDA)
 
-    python benchmarks/experts_configs.py
+    python benchmarks/experts_configs.py [--tokens 1,8,...] [--only SUBSTRING]
 
 At the Qwen3-30B-A3B experts shape (128 experts, top-8, H 2048, I 768) and T tokens routed at
 random, runs `experts_forward` with each (BLOCK_M, BLOCK_N, warps, stages), BLOCK_K fixed,
@@ -46,7 +46,18 @@ CONFIGS = (
     ]
     + [  # the row blocks in the grid (experts_triton._m_range): one program per block of an expert
         (f"{tiles} rows in grid", dict(tiles=tiles, m_in_grid=True))
-        for tiles in ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4))
+        for tiles in (
+            (64, 64, 4, 3),
+            (64, 128, 4, 3),
+            (128, 64, 8, 3),
+            (128, 128, 8, 3),
+            (128, 128, 8, 4),
+            (128, 128, 4, 4),
+            (128, 256, 8, 2),
+            (256, 128, 8, 3),
+            (64, 256, 8, 3),
+            (256, 64, 8, 4),
+        )
     ]
 )
 TOKENS = [1, 8, 64, 256, 512, 1024, 2048, 4096, 8192]
@@ -54,6 +65,14 @@ PEAK_TFLOPS = 989  # H100/H200 dense bf16 tensor peak: the FLOP floor of large T
 
 
 def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts T")
+    p.add_argument("--only", default="", help="run only the configurations whose label contains this")
+    args = p.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    configs = [CONFIGS[0]] + [c for c in CONFIGS[1:] if args.only in c[0]]
     from rich.console import Console
     from rich.table import Table
 
@@ -62,8 +81,8 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     gate_up = (torch.randn(E, 2 * INTER, H, device="cuda", generator=g) * H**-0.5).bfloat16()
     down = (torch.randn(E, H, INTER, device="cuda", generator=g) * INTER**-0.5).bfloat16()
-    x = torch.randn(max(TOKENS), H, device="cuda", generator=g).bfloat16()
-    logits = torch.randn(max(TOKENS), E, device="cuda", generator=g)
+    x = torch.randn(max(tokens), H, device="cuda", generator=g).bfloat16()
+    logits = torch.randn(max(tokens), E, device="cuda", generator=g)
     weights, index = torch.softmax(logits, -1).topk(K, dim=-1)
     weights = (weights / weights.sum(-1, keepdim=True)).bfloat16()
     bw = copy_bandwidth(torch.device("cuda"))
@@ -72,24 +91,29 @@ def main() -> None:
     def run(t, kw):
         return experts_forward(x[:t], index[:t], weights[:t], gate_up, down, **kw)
 
-    ref = {t: run(t, CONFIGS[0][1]) for t in TOKENS}
+    ref = {t: run(t, configs[0][1]) for t in tokens}
     table = Table(title="Triton experts tile choices (BLOCK_K fixed): same bits as the default? us (x floor)")
     table.add_column("BM,BN,warps,stages")
     floors = {}
-    for t in TOKENS:
+    for t in tokens:
         touched = index[:t].unique().numel()
         flops = t * K * 3 * H * INTER * 2  # gate, up and down of every routed pair
         floors[t] = max(1e6 * touched * per_expert / bw, flops / (PEAK_TFLOPS * 1e6))
         table.add_column(f"T={t} (floor {floors[t]:.0f} us)")
-    for label, kw in CONFIGS:
+    for label, kw in configs:
         cells = []
-        for t in TOKENS:
-            same = torch.equal(run(t, kw), ref[t])
+        for t in tokens:
+            try:
+                same = torch.equal(run(t, kw), ref[t])
+            except triton.runtime.errors.OutOfResources as e:  # a tile this GPU cannot hold
+                cells.append(f"no: {e.name}")
+                continue
             us = triton.testing.do_bench(lambda t=t, kw=kw: run(t, kw)) * 1e3
             cells.append(f"{'same' if same else 'DIFF'} {us:.0f} ({us / floors[t]:.1f}x)")
         table.add_row(label, *cells)
+        print(label, *cells, flush=True)  # as it goes: the table comes at the end
     cells = []  # the stock grouped GEMM (other bits by design): where the fast profile switches to it
-    for t in TOKENS:
+    for t in tokens:
         args = (x[:t], index[:t], weights[:t], gate_up, down)
         us = triton.testing.do_bench(lambda args=args: experts_grouped_mm(*args)) * 1e3
         cells.append(f"{us:.0f} ({us / floors[t]:.1f}x)")
