@@ -97,7 +97,9 @@ def main() -> None:
                 best[t] = (us, label)
         out["rows"].append(row)
         print(f"{label:28s}" + "".join(f"{c:>16s}" for c in cells))
-    print("fastest with the table's bits: " + "; ".join(f"T={t}: {b[1]} {b[0]:.1f} us" for t, b in best.items()))
+    print(
+        "fastest with the table's bits: " + "; ".join(f"T={t}: {b[1]} {b[0]:.1f} us" for t, b in best.items())
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

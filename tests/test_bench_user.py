@@ -267,3 +267,61 @@ def test_timed_decode_steps_are_raised_to_the_prefill_phase(llm, monkeypatch):
     asked.clear()
     g = bench_generate.measure_generate(llm, batch=2, context=4, extra=9)
     assert asked == [7, 1, 7, 16] and (g.first, g.last) == (7, 16)
+
+
+def test_a_run_stopped_part_way_keeps_what_it_measured(tmp_path, monkeypatch):
+    """`bench.run` hands the result so far to `on_progress` after each arm's decode points and
+    each rollout; written as the CLI writes it, a run stopped in the fast arm's rollout (here an
+    interrupt where a kill would land) leaves bench.json with both arms' decode rows, the exact
+    rollout and `complete: false`, and no temporary file. The CUDA measurements are stand-ins:
+    the control flow and the files are what is checked."""
+    from samebits.bench import core
+
+    monkeypatch.setattr(core.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(core.torch.cuda, "get_device_name", lambda dev: "stand-in")
+    monkeypatch.setattr(core, "copy_bandwidth", lambda dev: 1e12)
+    monkeypatch.setattr(core, "engine_limits", lambda *a: {})
+    monkeypatch.setattr(core, "free_memory", lambda: None)
+
+    class Engine:
+        def __init__(self, model, **kw):
+            self.core = type("Core", (), {"async_scheduling": True})()
+
+    monkeypatch.setattr("samebits.engine.llm.LLM", Engine)
+    monkeypatch.setattr(
+        core,
+        "measure_engine_arm",
+        lambda llm, arm, batches, *a: [bench_report.Row(arm, b, 16, 2.0, 500.0, 1.0) for b in batches],
+    )
+
+    def rollout(llm, arm, shape, log):
+        if arm == "fast":
+            raise KeyboardInterrupt  # stopped here
+        return {"requests": shape[0], "seconds": 1.0, "output_tok_s": 4.0}
+
+    monkeypatch.setattr(core, "measure_rollout_arm", rollout)
+
+    def partial(result):
+        result.meta["complete"] = False
+        bench_report.write_outputs(result, tmp_path, plot=False)
+
+    with pytest.raises(KeyboardInterrupt):
+        core.run(
+            "ckpt",
+            batches=(1, 4),
+            arms=("exact", "fast"),
+            rollout=(2, 3, 4),
+            log=lambda *a: None,
+            on_progress=partial,
+        )
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["meta"]["complete"] is False
+    assert [(r["arm"], r["batch"]) for r in data["decode"]] == [
+        ("exact", 1),
+        ("exact", 4),
+        ("fast", 1),
+        ("fast", 4),
+    ]
+    assert list(data["rollout"]) == ["exact"]
+    assert len(list(csv.DictReader((tmp_path / "bench.csv").open()))) == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.csv", "bench.json"]

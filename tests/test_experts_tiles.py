@@ -31,7 +31,9 @@ def test_row_blocks_go_in_the_grid_for_decode_and_the_large_tiles():
     """The grid layout (same row blocks, same bits: tests/test_gpu_experts_tiles.py) below 1024
     pairs (only experts with rows get programs) and from the large tiles' first batch on, not
     between."""
-    assert experts_tiles.m_in_grid_for(0) and experts_tiles.m_in_grid_for(8) and experts_tiles.m_in_grid_for(1023)
+    assert (
+        experts_tiles.m_in_grid_for(0) and experts_tiles.m_in_grid_for(8) and experts_tiles.m_in_grid_for(1023)
+    )
     assert not experts_tiles.m_in_grid_for(1024) and not experts_tiles.m_in_grid_for(8191)
     assert experts_tiles.m_in_grid_for(8192) and experts_tiles.m_in_grid_for(65536)
 

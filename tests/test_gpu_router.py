@@ -151,4 +151,3 @@ def test_one_launch_router_gives_the_transformers_router_bits(t, norm_topk_prob)
             torch.nn.functional.softmax(tied, dtype=torch.float, dim=-1), dim=-1, descending=True, stable=True
         )[1][:, :K]
         assert not torch.equal(stable, want)
-

@@ -108,7 +108,6 @@ def test_one_launch_router_is_the_oracle_in_tritons_interpreter():
     _interpreted(_INTERPRETED)
 
 
-
 def test_refuses_what_it_does_not_reproduce():
     with pytest.raises(ValueError, match="NaN or -0.0"):
         topk_cuda_order_ref(torch.tensor([[1.0, float("nan"), 0.5]]), 2)

@@ -350,6 +350,13 @@ def _bench(args) -> int:
         print(f"writing a random Qwen3-30B-A3B-shaped checkpoint, {args.layers} layers, to {args.dir}")
         model = bench.write_random_checkpoint(Path(args.dir), args.layers, seed=0)
     rollout = (args.num_prompts, args.input_len, args.output_len) if args.num_prompts else None
+    out = Path(args.out)
+
+    def partial(result) -> None:  # what is measured so far, marked incomplete
+        result.meta["complete"] = False
+        bench.write_outputs(result, out, plot=False)
+
+    print(f"results so far go to {out / 'bench.json'} as each arm finishes")
     result = bench.run(
         model,
         batches=batches,
@@ -360,6 +367,7 @@ def _bench(args) -> int:
         generate_steps=args.generate_steps,
         rollout=rollout,
         async_scheduling=args.async_scheduling,
+        on_progress=partial,
     )
     if args.rl:  # after the engine and models above are freed: the arms load their own
         from samebits.rl import arms as rl_arms
@@ -367,8 +375,9 @@ def _bench(args) -> int:
         result.rl_step = rl_arms.bench_ratio(model, args.rl_steps)
         print(f"RL step: on-policy {result.rl_step['ratio']:.2f}x stock")
     result.meta["layers"] = args.layers if args.model is None else None
+    result.meta["complete"] = True
     bench.print_table(result)
-    written = bench.write_outputs(result, Path(args.out))
+    written = bench.write_outputs(result, out)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
 

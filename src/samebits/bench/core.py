@@ -291,10 +291,15 @@ def run(
     rollout: tuple[int, int, int] | None = (256, 1024, 1024),
     log=print,
     async_scheduling: bool | None = None,
+    on_progress=None,
 ) -> BenchResult:
     """Run the chosen arms on CUDA. `generate_steps`: decode steps timed through `generate`
     per point (0: none, nor prefill); `rollout`: (requests, prompt tokens, new tokens), run on
-    each engine arm, or None; `async_scheduling`: the engine's option (None: its default)."""
+    each engine arm, or None; `async_scheduling`: the engine's option (None: its default).
+    `on_progress(result)`: called with the result so far after each arm's decode points, each
+    rollout, transformers' points and the trainer's (the CLI writes bench.json then, so a run
+    stopped part way keeps what it measured)."""
+    progress = on_progress or (lambda result: None)
     from samebits.engine.llm import LLM
 
     if not torch.cuda.is_available():
@@ -314,14 +319,18 @@ def run(
         log(f"engine built in {time.perf_counter() - t0:.0f} s")
         for arm in engine_arms:
             result.rows += measure_engine_arm(llm, arm, batches, context, steps, generate_steps, bw, log)
+            result.meta["graph_replay_ms"] = {f"{a}/batch {b}": ms for (a, b), ms in replay_ms.items()}
+            progress(result)
             if rollout:
                 result.rollout[arm] = measure_rollout_arm(llm, arm, rollout, log)
-        result.meta["graph_replay_ms"] = {f"{a}/batch {b}": ms for (a, b), ms in replay_ms.items()}
+                progress(result)
         del llm
         free_memory()
     if "hf" in arms:
         cfg = ModelConfig.from_pretrained(model)
         result.rows += _hf_rows(model, hf_batches or batches, context, bw, cfg, log)
+        progress(result)
     if "trainer" in arms:
         result.trainer_ms = _trainer_ms(model, log)
+        progress(result)
     return result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -126,9 +127,11 @@ def print_table(result: BenchResult, console=None) -> None:
     (console or Console(width=160)).print(t)
 
 
-def write_outputs(result: BenchResult, out: Path) -> list[Path]:
+def write_outputs(result: BenchResult, out: Path, plot: bool = True) -> list[Path]:
     """bench.json (everything), bench.csv (one line per decode point), bench.png (tok/s by
-    batch, when matplotlib is installed). Returns the paths written."""
+    batch, when matplotlib is installed and `plot`). Each file is written whole to a temporary
+    name and then renamed, so a run stopped while writing leaves the previous version. Returns
+    the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     decode = [r.as_dict() for r in result.rows]
     data = {
@@ -139,15 +142,23 @@ def write_outputs(result: BenchResult, out: Path) -> list[Path]:
         "rl_step": result.rl_step,
     }
     written = [out / "bench.json", out / "bench.csv"]
-    written[0].write_text(json.dumps(data, indent=2))
+    _replace(written[0], json.dumps(data, indent=2))
     fields = list(Row.__dataclass_fields__) + ["floor_fraction", "generate_tokens_per_s"]
-    with written[1].open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows(decode)
-    if _plot(result.rows, out / "bench.png"):
+    text = io.StringIO(newline="")
+    w = csv.DictWriter(text, fieldnames=fields)
+    w.writeheader()
+    w.writerows(decode)
+    _replace(written[1], text.getvalue())
+    if plot and _plot(result.rows, out / "bench.png"):
         written.append(out / "bench.png")
     return written
+
+
+def _replace(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
+        f.write(text)
+    tmp.replace(path)
 
 
 def _plot(rows: list[Row], path: Path) -> bool:

@@ -13,8 +13,8 @@ program takes ROWS tokens through all of it:
 The only link not shown on the CPU is that `topk_order` is what the installed torch does; its
 GPU test compares them on rows full of ties (`test_gpu_router.py`), and
 `topk_order.TOPK_ORDER_TORCH` lists the torch releases on which it passed. On any other torch,
-or on ROCm (whose topk is another kernel), the registry keeps `router_triton`. H200, torch 2.11: 4.5 us a launch at T = 1 against
-the four launches' 11.7 (`benchmarks/router_launches.py`).
+or on ROCm (whose topk is another kernel), the registry keeps `router_triton`. H200, torch
+2.11: 4.5 us a launch at T = 1 against the four launches' 11.7 (`benchmarks/router_launches.py`).
 Shapes: T = tokens, E = experts (a power of two <= 256), K = top-k (a power of two <= 32).
 """
 
@@ -74,7 +74,9 @@ def _bitonic_sort(key, idx, valid, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _top_k_store(p, rows, T, w_ptr, i_ptr, ROWS: tl.constexpr, E: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr):
+def _top_k_store(
+    p, rows, T, w_ptr, i_ptr, ROWS: tl.constexpr, E: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr
+):
     """[ROWS, E] fp32 probabilities -> their top K in torch.topk's CUDA order, renormed when NORM,
     stored as weights [T, K] in w's dtype and indices [T, K] int64 (rows past T: not stored)."""
     cols = tl.arange(0, E)[None, :]
@@ -137,4 +139,3 @@ def router(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tup
             num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
     return weights, index
-
