@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpu_facts import needs_varying_stock_bf16
 
 from samebits.kernels.attention import attention_ref, varlen_attention
 from samebits.kernels.experts import experts_ref, experts_stock_ref
@@ -83,17 +84,43 @@ def test_matmul_negative_control_stock_fp32_mm_varies_with_m():
     assert any(differs)
 
 
-def test_matmul_bf16_at_model_width_and_its_stock_control():
-    """bf16 at K=2048 (a released model's hidden), where stock CPU bf16 GEMM rows do depend on M
-    (at the widths above they do not, so there only fp32 has a control)."""
+def _model_width_bf16():
     b = (torch.randn(2048, 1536, generator=_g(41)) * 2048**-0.5).bfloat16()
-    a = torch.randn(20, 2048, generator=_g(42)).bfloat16()
+    return torch.randn(20, 2048, generator=_g(42)).bfloat16(), b
+
+
+def test_matmul_bf16_at_model_width():
+    """bf16 at K=2048 (a released model's hidden): each row's bits alone = among 20."""
+    a, b = _model_width_bf16()
     full = matmul_ref(a, b)
     for m in (1, 3, 17):
         assert torch.equal(matmul_ref(a[:m], b), full[:m])
-    # control: the same comparison on stock mm
+
+
+@needs_varying_stock_bf16
+def test_matmul_bf16_at_model_width_stock_control():
+    """Control of the test above: the same comparison on stock mm, whose bf16 rows depend on M
+    on CPUs with an AVX-512 MKL path (at the widths above they do not, so there only fp32 has a
+    control)."""
+    a, b = _model_width_bf16()
     stock = torch.mm(a, b)
     assert any(not torch.equal(torch.mm(a[:m], b), stock[:m]) for m in (1, 3, 17))
+
+
+def test_matmul_ref_bits_do_not_follow_the_layout_of_b():
+    """A transposed view of b (F.linear's weight.t()) and its contiguous copy, fp32 and bf16,
+    give one result: `_as_fp32_nt` brings every b to one layout. Control, the reason: where the
+    stock fp32 GEMM's bits follow b's layout on this CPU (MKL's AVX2 path), using b as passed
+    would give the two layouts other bits."""
+    w = torch.randn(9, 16, generator=_g(43))
+    a = torch.randn(5, 16, generator=_g(44))
+    for dtype in (torch.float32, torch.bfloat16):
+        b = w.to(dtype).t()
+        assert torch.equal(matmul_ref(a.to(dtype), b), matmul_ref(a.to(dtype), b.contiguous()))
+    tile = torch.zeros(16, 16)
+    tile[:5] = a
+    if not torch.equal(torch.mm(tile, w.t()), torch.mm(tile, w.t().contiguous())):
+        assert not torch.equal(matmul_ref(a, w.t()), torch.mm(tile, w.t().contiguous())[:5])
 
 
 def test_batch_invariant_mode_routes_linear_through_the_kernel():

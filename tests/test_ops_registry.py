@@ -178,13 +178,19 @@ def test_set_numerics_switches_the_profile_through_the_public_api(tiny):
 def test_the_cpu_keeps_adjacent_projections_as_separate_gemms():
     """q/k/v lying back to back (the loader's layout) stay three GEMMs on the CPU, each with the
     bits it has alone. Control, the reason: MKL picks its blocking by N, so one GEMM over the
-    joined weights gives the k columns other bits (measured at the real width, K = 2048)."""
-    buf = (torch.randn(640, 2048, generator=_g(5)) * 2048**-0.5).bfloat16()
-    weights = [buf[:512], buf[512:576], buf[576:]]
-    x = torch.randn(16, 2048, generator=_g(6)).bfloat16()
-    with EXACT.context():
-        got = ops.projections(x, weights)
-        alone = [F.linear(x, w) for w in weights]
-        joined = F.linear(x, buf).split([512, 64, 64], dim=-1)
-    assert all(torch.equal(a, b) for a, b in zip(got, alone, strict=True))
-    assert not all(torch.equal(a, b) for a, b in zip(joined, alone, strict=True))
+    joined weights gives some columns other bits: measured at the real width in bf16 (q 512, k
+    and v 64 rows of K = 2048) on AVX-512 CPUs, and on AVX2-only ones in fp32 where k and v are
+    narrower (8 rows; rounded to bf16 the difference vanished there); the control holds where
+    either shows it."""
+    differs = []
+    for q, kv, dtype in ((512, 64, torch.bfloat16), (16, 8, torch.float32)):
+        buf = (torch.randn(q + 2 * kv, 2048, generator=_g(5)) * 2048**-0.5).to(dtype)
+        weights = [buf[:q], buf[q : q + kv], buf[q + kv :]]
+        x = torch.randn(16, 2048, generator=_g(6)).to(dtype)
+        with EXACT.context():
+            got = ops.projections(x, weights)
+            alone = [F.linear(x, w) for w in weights]
+            joined = F.linear(x, buf).split([q, kv, kv], dim=-1)
+        assert all(torch.equal(a, b) for a, b in zip(got, alone, strict=True))
+        differs.append(not all(torch.equal(a, b) for a, b in zip(joined, alone, strict=True)))
+    assert any(differs)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpu_facts import needs_varying_stock_bf16
 
 from samebits import LLM, SamplingParams, batch_invariant, trainer
 from samebits.model.loader import load_state_dict, save_tensor_stream
@@ -152,6 +153,7 @@ def test_wide_engine_alone_batched_chunked_preempted_bitwise(exact):
             assert torch.equal(x.logprobs, y.logprobs), name
 
 
+@needs_varying_stock_bf16
 def test_wide_control_fast_profile_depends_on_the_schedule(wide, weights):
     """The same four schedules on stock kernels (stock GEMMs and experts) give other bits."""
     batched, others = _runs(wide, weights, "fast")
@@ -175,6 +177,7 @@ def test_wide_trainer_packed_and_one_at_a_time_equal_the_engine(wide, exact):
     assert any(isinstance(m, forwards._Swapped) for m in model.modules())  # samebits' forwards ran
 
 
+@needs_varying_stock_bf16
 def test_wide_control_trainer_forwards_on_stock_gemms_depend_on_packing(wide, exact, monkeypatch):
     """The trainer's swapped linears (`trainer/forwards.py`) with a stock GEMM in place of the
     row-invariant matmul: at this width the packed recompute (M ~ 80 rows) then differs from one
@@ -242,6 +245,7 @@ def test_wide_on_cuda_schedules_and_the_trainer_agree(wide, weights, monkeypatch
     assert not long_decode_equals_the_trainer()
 
 
+@needs_varying_stock_bf16
 @pytest.mark.parametrize("experts", ["samebits", "grouped_mm"])
 def test_wide_control_trainer_without_batch_invariant_packing_changes_bits(wide, exact, experts):
     """Outside `batch_invariant()` the trainer's GEMMs are stock (with samebits' experts and
@@ -309,6 +313,7 @@ def test_wide_n4_prefix_sharing_is_bitwise(wide, weights):
     assert _mismatches(*_n4_runs(wide, weights, "exact")) == 0
 
 
+@needs_varying_stock_bf16
 def test_wide_control_fast_profile_prefix_sharing_changes_bits(wide, weights):
     """On stock kernels the 4-row step gives other bits than the 68-row one."""
     assert _mismatches(*_n4_runs(wide, weights, "fast")) > 0

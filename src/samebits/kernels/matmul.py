@@ -5,8 +5,10 @@ M=5 gives different bits (measured: fp32 `torch.mm`, MKL). Here every row is
 computed inside a GEMM of one fixed shape, `(ROW_TILE, K) @ (K, N)`: the rows of
 A are copied, ROW_TILE at a time, into a fresh zero-padded fp32 buffer (fresh
 so that its alignment, which MKL's code path may depend on, is always the
-allocator's), so a row's K reduction order depends only on K and N, never on M
-or on its place in the batch. bf16 inputs are computed in fp32 and rounded once.
+allocator's), and B is always used in one layout (`_as_fp32_nt`: MKL's AVX2 path
+gives other bits for a transposed B than for its contiguous copy), so a row's K
+reduction order depends only on K and N, never on M, on its place in the batch
+or on how the caller laid B out. bf16 inputs are computed in fp32 and rounded once.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def matmul_ref(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = Non
         raise ValueError(f"matmul_ref needs (M, K) @ (K, N), got {tuple(a.shape)} @ {tuple(b.shape)}")
     m, k = a.shape
     n = b.shape[1]
-    b32 = b if b.dtype == torch.float32 else b.to(torch.float32)
+    b32 = _as_fp32_nt(b)
     out32 = torch.empty(m, n, dtype=torch.float32, device=a.device)
     for start in range(0, m, ROW_TILE):
         rows = min(ROW_TILE, m - start)
@@ -38,6 +40,17 @@ def matmul_ref(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = Non
     if bias is not None:
         out32 += bias.to(torch.float32)
     return out32 if a.dtype == torch.float32 else out32.to(a.dtype)
+
+
+def _as_fp32_nt(b: torch.Tensor) -> torch.Tensor:
+    """b (K, N) in fp32, laid out as the transpose of a row-major (N, K): the layout of
+    `F.linear`'s `weight.t()`, so a linear's fp32 weight is used in place. MKL's AVX2 kernels give
+    other bits for the same values in another layout (measured: a transposed view against its
+    contiguous copy), so every b is brought to this one layout, whatever the caller passed."""
+    if b.dtype == torch.float32 and b.stride(0) == 1 and (b.shape[1] <= 1 or b.stride(1) == b.shape[0]):
+        return b
+    out = torch.empty(b.shape[1], b.shape[0], dtype=torch.float32, device=b.device)
+    return out.copy_(b.t()).t()
 
 
 def bmm_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
