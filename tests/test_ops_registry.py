@@ -194,3 +194,44 @@ def test_the_cpu_keeps_adjacent_projections_as_separate_gemms():
         assert all(torch.equal(a, b) for a, b in zip(got, alone, strict=True))
         differs.append(not all(torch.equal(a, b) for a, b in zip(joined, alone, strict=True)))
     assert any(differs)
+
+
+def test_slot_add_rms_norm_is_the_experts_sum_then_add_rms_norm():
+    """`ops.slot_add_rms_norm` (a MoE layer's slot outputs summed in the next norm) gives
+    `add_rms_norm` of the experts' own output, at the real width (K 8, H 2048). Control, the
+    reason: the slots summed in another order (aten's sum over K) give other bits."""
+    big = 1e5 * torch.randn(5, 4, 2048, generator=_g(11))
+    # slots k and k + 4 nearly cancel: the halving tree adds them first, a sum in index order
+    # carries the large partial sums, so the two orders differ visibly after rounding
+    slots = torch.cat([big, -big + torch.randn(5, 4, 2048, generator=_g(12))], dim=1)
+    residual = torch.randn(5, 2048, generator=_g(13)).bfloat16()
+    weight = (1 + 0.1 * torch.randn(2048, generator=_g(14))).bfloat16()
+    index_order = slots.sum(1).bfloat16()  # outside batch_invariant(): aten's own sum
+    with EXACT.context():
+        got = ops.slot_add_rms_norm(slots, residual, weight, 1e-6)
+        want = ops.add_rms_norm(ops.sum_slots(slots, torch.bfloat16), residual, weight, 1e-6)
+        other = ops.add_rms_norm(index_order, residual, weight, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert not torch.equal(other[0], want[0])
+
+
+def test_the_exact_cpu_model_sums_its_moe_slots_in_the_next_norm(tiny, monkeypatch):
+    """On the CPU the exact profile's MoE blocks hand the next norm their slot outputs
+    (`Slots`): every sparse layer's sum goes through `slot_add_rms_norm`, and a layer's block
+    output is the experts op's bit for bit. The fast profile (stock experts) has no such step."""
+    from samebits.model.config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(tiny)
+    block = qwen3_moe.SparseMoeBlock(cfg)
+    with torch.no_grad():
+        for i, p in enumerate(block.parameters()):
+            p.copy_(0.1 * torch.randn(p.shape, generator=_g(20 + i)))
+    block = block.bfloat16()
+    x = torch.randn(6, cfg.hidden_size, generator=_g(15)).bfloat16()
+    with torch.no_grad(), EXACT.context():
+        out = block.forward_slots(x)
+        weights, index = block.gate(x)
+        want = ops.experts(x, index, weights, block.experts.gate_up_proj, block.experts.down_proj)
+    assert isinstance(out, qwen3_moe.Slots) and torch.equal(out.summed(), want)
+    with torch.no_grad(), FAST.context():
+        assert not isinstance(block.forward_slots(x), qwen3_moe.Slots)

@@ -46,6 +46,29 @@ def experts_ref(
     linear: Linear = linear_ref,
 ) -> torch.Tensor:
     """Sum over k of `weight_k * down_e(act(gate_e(x)) * up_e(x))`, e = top_k_index[t, k] -> [T, H]."""
+    weighted = experts_ref_slots(
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, act_fn, linear
+    )
+    return sum_slots_ref(weighted, hidden_states.dtype)
+
+
+def sum_slots_ref(weighted: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, K, H] fp32 weighted slot outputs -> [T, H] in `dtype`: the top-k sum in
+    `tree_sum_ref`'s halving order, rounded once (the experts' closing step)."""
+    return tree_sum_ref(weighted, dim=1).to(dtype)
+
+
+def experts_ref_slots(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    act_fn: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+    linear: Linear = linear_ref,
+) -> torch.Tensor:
+    """`experts_ref` before its top-k sum: [T, K, H] fp32, slot k of token t holding
+    `weight_k * down_e(act(gate_e(x)) * up_e(x))`."""
     if top_k_index.shape != top_k_weights.shape or hidden_states.shape[0] != top_k_index.shape[0]:
         raise ValueError(
             f"experts: hidden {tuple(hidden_states.shape)}, top_k_index {tuple(top_k_index.shape)} "
@@ -54,7 +77,7 @@ def experts_ref(
     t, k = top_k_index.shape
     h = hidden_states.shape[-1]
     if t == 0:
-        return hidden_states.new_zeros(0, h)
+        return hidden_states.new_zeros(0, k, h, dtype=torch.float32)
     flat = top_k_index.reshape(-1)  # [T*K]
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=gate_up_proj.shape[0]).tolist()
@@ -70,8 +93,7 @@ def experts_ref(
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     per_slot = torch.cat(outs, dim=0)[inverse].view(t, k, h)  # [T, K, H] fp32
-    weighted = per_slot * top_k_weights.float().unsqueeze(-1)
-    return tree_sum_ref(weighted, dim=1).to(hidden_states.dtype)
+    return per_slot * top_k_weights.float().unsqueeze(-1)
 
 
 def experts_stock_ref(

@@ -88,6 +88,15 @@ def slot_sum_kernel(per_slot_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.const
     halving order (slot j onto j + K/2, ...; K a power of two), rounded once."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    x = _slot_tree_sum(per_slot_ptr, t, cols, H, K, BLOCK_H)
+    tl.store(out_ptr + t * H + cols, x.to(out_ptr.dtype.element_ty), mask=cols < H)
+
+
+@triton.jit
+def _slot_tree_sum(per_slot_ptr, t, cols, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Columns `cols` of token t's K slots in [T, K, H] fp32 -> [BLOCK_H] fp32, summed in
+    `tree_sum_ref`'s halving order (the sum over K is per column, so any column blocking gives
+    the same bits). Shared by `slot_sum_kernel` and the fused norm (`norm_rope_triton`)."""
     slots = tl.arange(0, K)
     x = tl.load(
         per_slot_ptr + (t * K + slots[:, None]) * H + cols[None, :], mask=(cols < H)[None, :], other=0.0
@@ -100,7 +109,7 @@ def slot_sum_kernel(per_slot_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.const
         x = tl.sum(tl.reshape(x, (2, K // 8, BLOCK_H)), axis=0)
     if K >= 16:
         x = tl.sum(tl.reshape(x, (2, K // 16, BLOCK_H)), axis=0)
-    tl.store(out_ptr + t * H + cols, tl.reshape(x, (BLOCK_H,)).to(out_ptr.dtype.element_ty), mask=cols < H)
+    return tl.reshape(x, (BLOCK_H,))
 
 
 @triton.jit
@@ -240,6 +249,7 @@ def experts_forward(
     block_k: int = BLOCK_K,
     tiles: tuple[int, int, int, int] | None = None,
     m_in_grid: bool | None = None,
+    sum_slots: bool = True,
 ) -> torch.Tensor:
     """Sum over k of `weight_k * down_e(silu(gate_e(x)) * up_e(x))` -> [T, H], batch invariant.
 
@@ -249,7 +259,9 @@ def experts_forward(
     (`benchmarks/experts_configs.py`). `block_k` exists for experiments; samebits always
     uses BLOCK_K. `m_in_grid`: one program per (BLOCK_M rows of an expert, column tile)
     instead of one per (expert, column tile) walking its rows (`_m_range`); the same row
-    blocks, so the same bits. None: `m_in_grid_for(T * K)`.
+    blocks, so the same bits. None: `m_in_grid_for(T * K)`. `sum_slots=False`: return the
+    weighted slot outputs [T, K, H] fp32 before the top-k sum (`experts_ref_slots`), for a
+    consumer that sums them itself (`norm_rope_triton.rms_norm(..., slots=...)`).
     """
     _check(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
     t, k = top_k_index.shape
@@ -258,7 +270,7 @@ def experts_forward(
     e, two_i, h = gate_up_proj.shape
     i = two_i // 2
     if t == 0:
-        return hidden_states.new_zeros(0, h)
+        return hidden_states.new_zeros(0, h) if sum_slots else torch.zeros(0, k, h, device=hidden_states.device)
     order, offsets = _route(top_k_index, e)
     in_grid = m_in_grid_for(t * k) if m_in_grid is None else m_in_grid
     # M_IN_GRID: an expert's blocks are floor(its pairs / BLOCK_M), plus one partial block if it
@@ -307,6 +319,8 @@ def experts_forward(
         num_stages=stages,
         **grid_m,
     )
+    if not sum_slots:
+        return per_slot.view(t, k, h)
     if k & (k - 1) or k > 16:
         return tree_sum_ref(per_slot.view(t, k, h), dim=1).to(hidden_states.dtype)
     out = torch.empty(t, h, dtype=hidden_states.dtype, device=hidden_states.device)
@@ -315,6 +329,19 @@ def experts_forward(
 
 
 SLOT_BLOCK_H = 512
+
+
+def sum_slots(slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, K, H] fp32 weighted slot outputs (K a power of two <= 16) -> [T, H] in `dtype`: the
+    top-k sum `experts_forward` ends with (`slot_sum_kernel`)."""
+    t, k, h = slots.shape
+    slots = slots.contiguous()
+    out = torch.empty(t, h, dtype=dtype, device=slots.device)
+    if t:
+        slot_sum_kernel[(t, triton.cdiv(h, SLOT_BLOCK_H))](
+            slots, out, h, K=k, BLOCK_H=SLOT_BLOCK_H, num_warps=4
+        )
+    return out
 
 
 def _stages_that_fit(device: torch.device, block_m: int, block_n: int, block_k: int, stages: int) -> int:

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from samebits.kernels.experts_triton import _slot_tree_sum
 from samebits.kernels.launch import fast_launch
 from samebits.kernels.reduce_triton import tree_sum_block
 
@@ -45,21 +46,58 @@ def rms_norm_kernel(
     stride_s,
     HAS_RES: tl.constexpr,
     BLOCK: tl.constexpr,
+    SLOTS: tl.constexpr = 0,
 ):
+    """One row: RMSNorm of x, or of `residual + x` (HAS_RES; the sum stored too). SLOTS = K > 0:
+    x is the MoE experts' weighted slot outputs [T, K, n] fp32, summed over K as `slot_sum_kernel`
+    sums them and rounded to the residual's dtype first (the experts' output, never stored)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if SLOTS > 0:
+        x = _slot_tree_sum(x_ptr, row, cols, n, SLOTS, BLOCK).to(res_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        x = (r.to(tl.float32) + x.to(tl.float32)).to(x_ptr.dtype.element_ty)  # residual + x, rounded
+        x = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)  # residual + x, rounded
         tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
     h = x.to(tl.float32)
     variance = tree_sum_block(h * h, BLOCK) * inv_n
     h = h * tl.math.rsqrt(variance + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = (w.to(tl.float32) * h.to(x_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
+    y = (w.to(tl.float32) * h.to(x.dtype).to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+
+
+def slot_add_rms_norm(slots: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """slots [T, K, H] fp32 (the MoE experts' weighted outputs before their top-k sum, K a power
+    of two <= 16), residual [T, H] -> (residual + sum, norm) in one launch: `slot_sum_kernel`'s
+    sum rounded to the residual's dtype, then `rms_norm(sum, weight, eps, residual)`'s bits."""
+    t, k, h = slots.shape
+    if (
+        residual.shape != (t, h)
+        or not slots.is_contiguous()
+        or slots.dtype != torch.float32
+        or k & (k - 1)
+        or k > 16
+    ):
+        raise ValueError(
+            f"slot_add_rms_norm: slots [T, K, H] contiguous fp32 with K a power of two <= 16 and residual "
+            f"[T, H], got {tuple(slots.shape)} {slots.dtype} and {tuple(residual.shape)}"
+        )
+    r2 = residual.contiguous()
+    out = torch.empty(t, h, dtype=torch.promote_types(residual.dtype, weight.dtype), device=residual.device)
+    summed = torch.empty_like(r2)
+    block = triton.next_power_of_2(h)
+    if t:
+        rms_norm_kernel[(t,)](
+            slots, r2, weight, out, summed, h, float(np.float32(1.0) / np.float32(h)), eps,
+            k * h, r2.stride(0), out.stride(0), summed.stride(0),
+            HAS_RES=True, BLOCK=block, SLOTS=k,
+            num_warps=8 if block >= 1024 else 2, enable_fp_fusion=False,
+        )  # fmt: skip
+    return summed, out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

@@ -26,7 +26,7 @@ from torch import nn
 
 from samebits.model.attention import AttentionBatch
 from samebits.model.omni_config import OmniConfig
-from samebits.model.qwen3_moe import Qwen3MoeModel
+from samebits.model.qwen3_moe import Qwen3MoeModel, dense
 from samebits.numerics import ops
 
 ENCODER_ATTENTION = "eager"  # per-image/per-window attention through the batch-invariant bmm/softmax
@@ -58,7 +58,7 @@ class ThinkerTextModel(Qwen3MoeModel):
         if not _has_deepstack(multimodal, i):
             return hidden, mlp_out
         # (res + mlp) + ds: the residual add made here, before the deepstack rows
-        return ops.deepstack_add(hidden + mlp_out, multimodal.visual_mask, multimodal.deepstack[i]), None
+        return ops.deepstack_add(hidden + dense(mlp_out), multimodal.visual_mask, multimodal.deepstack[i]), None
 
 
 def _has_deepstack(mm: MultimodalRows | None, i: int) -> bool:

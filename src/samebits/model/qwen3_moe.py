@@ -9,6 +9,8 @@ positions [T] and an `AttentionBatch`, and returns hidden states [T, H].
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -97,6 +99,33 @@ class Experts(nn.Module):
         return ops.experts(x, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
 
 
+@dataclass
+class Slots:
+    """A MoE block's output before its top-k sum: the weighted slot outputs [T, K, H] fp32 and
+    the activation dtype the sum rounds to. The next norm sums them in its own launch
+    (`add_norm`); `summed()` is the block's output itself."""
+
+    per_slot: torch.Tensor
+    dtype: torch.dtype
+
+    def summed(self) -> torch.Tensor:
+        return ops.sum_slots(self.per_slot, self.dtype)
+
+
+def dense(mlp_out: torch.Tensor | Slots) -> torch.Tensor:
+    """An MLP output as the [T, H] tensor transformers' layer adds to its residual."""
+    return mlp_out.summed() if isinstance(mlp_out, Slots) else mlp_out
+
+
+def add_norm(mlp_out: torch.Tensor | Slots, residual: torch.Tensor, norm: RMSNorm):
+    """transformers' `residual + mlp_out` (rounded in the activation dtype), then `norm` of it ->
+    (the sum, its norm), in one launch where the device has it; a `Slots` output is summed in
+    that launch too (`ops.slot_add_rms_norm`)."""
+    if isinstance(mlp_out, Slots):
+        return ops.slot_add_rms_norm(mlp_out.per_slot, residual, norm.weight, norm.variance_epsilon)
+    return ops.add_rms_norm(mlp_out, residual, norm.weight, norm.variance_epsilon)
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -104,8 +133,17 @@ class SparseMoeBlock(nn.Module):
         self.gate = Router(cfg)
 
     def forward(self, x):
+        return dense(self.forward_slots(x))
+
+    def forward_slots(self, x) -> torch.Tensor | Slots:
+        """The block's output, or its weighted slot outputs before the top-k sum where this device
+        and profile have that step (`ops.experts_slots`), for the next norm to sum."""
         weights, index = self.gate(x)
-        return self.experts(x, index, weights)
+        e = self.experts
+        per_slot = ops.experts_slots(x, index, weights, e.gate_up_proj, e.down_proj)
+        if per_slot is not None:
+            return Slots(per_slot, x.dtype)
+        return e(x, index, weights)
 
 
 class DecoderLayer(nn.Module):
@@ -120,20 +158,16 @@ class DecoderLayer(nn.Module):
         """hidden [T, H]: the residual stream before this layer, less the previous layer's MLP
         output, which comes as `mlp_out` (None for the first layer): transformers' closing
         `residual + mlp_out` is made here, in the input norm's launch (`add_rms_norm`, the same
-        bf16 rounding). -> (residual, this layer's mlp_out), for the next layer or the final norm."""
+        bf16 rounding; a MoE layer's `Slots` are summed in that launch too). -> (residual, this
+        layer's mlp_out), for the next layer or the final norm."""
         if mlp_out is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
-            norm = self.input_layernorm
-            residual, hidden = ops.add_rms_norm(mlp_out, hidden, norm.weight, norm.variance_epsilon)
+            residual, hidden = add_norm(mlp_out, hidden, self.input_layernorm)
         hidden = self.self_attn(hidden, cos, sin, meta, kv_cache)
-        residual, hidden = ops.add_rms_norm(
-            hidden,
-            residual,
-            self.post_attention_layernorm.weight,
-            self.post_attention_layernorm.variance_epsilon,
-        )
-        return residual, self.mlp(hidden)
+        residual, hidden = add_norm(hidden, residual, self.post_attention_layernorm)
+        mlp = self.mlp
+        return residual, mlp.forward_slots(hidden) if isinstance(mlp, SparseMoeBlock) else mlp(hidden)
 
 
 class Qwen3MoeModel(nn.Module):
@@ -160,7 +194,7 @@ class Qwen3MoeModel(nn.Module):
             )
         if mlp_out is None:
             return self.norm(hidden)
-        return ops.add_rms_norm(mlp_out, hidden, self.norm.weight, self.norm.variance_epsilon)[1]
+        return add_norm(mlp_out, hidden, self.norm)[1]
 
     def rotary(self, hidden, positions):  # positions [T] -> cos, sin [T, D]
         return ops.rotary_cos_sin(hidden, positions, self.inv_freq, 1.0)

@@ -184,6 +184,32 @@ def projections(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[torch.Ten
     return pick("projections", x.device.type)(x, weights)
 
 
+def experts_slots(
+    hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor
+) -> Tensor | None:
+    """`experts` before its top-k sum: [T, K, H] fp32 weighted slot outputs, for the next norm to
+    sum (`slot_add_rms_norm`); None where this device and profile have no such step, or where
+    autograd is recording (the differentiable op is `experts`): then call `experts`."""
+    if torch.is_grad_enabled() and any(
+        t.requires_grad for t in (hidden_states, top_k_weights, gate_up_proj, down_proj)
+    ):
+        return None
+    return pick("experts_slots", hidden_states.device.type)(
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj
+    )
+
+
+def sum_slots(slots: Tensor, dtype: torch.dtype) -> Tensor:
+    """[T, K, H] fp32 weighted slot outputs -> [T, H] in `dtype`: the experts' closing top-k sum."""
+    return pick("sum_slots", slots.device.type)(slots, dtype)
+
+
+def slot_add_rms_norm(slots: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """`add_rms_norm(sum_slots(slots, residual.dtype), residual, weight, eps)`: a MoE layer's
+    output summed, added to the residual stream and normalized; on CUDA one launch."""
+    return pick("slot_add_rms_norm", residual.device.type)(slots, residual, weight, eps)
+
+
 def qk_norm_rope_cache(
     q: Tensor,
     k: Tensor,

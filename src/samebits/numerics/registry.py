@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from samebits.kernels.experts import experts_ref, experts_stock_ref
+from samebits.kernels.experts import experts_ref, experts_ref_slots, experts_stock_ref, sum_slots_ref
 from samebits.kernels.experts_backward import experts_backward
 from samebits.kernels.matmul import adjacent_rows, bmm_ref, matmul_ref
 from samebits.kernels.norm_backward import rms_norm_backward_ref
@@ -322,6 +322,63 @@ def _router_fast_cuda(router_logits, top_k, norm_topk_prob):
     return composite.router(router_logits, top_k, norm_topk_prob)
 
 
+# -- a MoE layer's top-k sum in the next norm's launch --------------------------------------------
+# The experts hand the next norm their weighted slot outputs [T, K, H] fp32; the norm sums them
+# (the experts' tree, rounded once), adds the residual and normalizes in one launch. On CUDA that
+# is `norm_rope_triton.slot_add_rms_norm`, which has not run on a GPU yet (docs/perf-notes.md,
+# twelfth session): until its GPU test (tests/test_gpu_kernels.py) passes, CUDA keeps the experts'
+# own sum (`experts_slots` answers None) and this stays False.
+SLOTS_ON_CUDA = False
+
+
+def _no_slots(x, index, weights, gate_up, down):
+    return None
+
+
+def _experts_slots_cuda(x, index, weights, gate_up, down):
+    k = index.shape[-1]
+    if not SLOTS_ON_CUDA or k & (k - 1) or k > 16 or not triton_available():
+        return None
+    return _EXPERTS_TRITON(x, index, weights.contiguous(), gate_up, down, sum_slots=False)
+
+
+def _sum_slots_cuda(slots, dtype):
+    k = slots.shape[1]
+    if k & (k - 1) or k > 16 or not triton_available():
+        return sum_slots_ref(slots, dtype)
+    from samebits.kernels.experts_triton import sum_slots
+
+    return sum_slots(slots, dtype)
+
+
+def _slot_add_rms_norm_separate(slots, residual, weight, eps):
+    """The experts' sum, then the registry's add_rms_norm (two launches on CUDA)."""
+    device = residual.device.type
+    return pick("add_rms_norm", device)(pick("sum_slots", device)(slots, residual.dtype), residual, weight, eps)
+
+
+def _slot_norm_fits(slots, residual) -> bool:
+    k = slots.shape[1]
+    return not k & (k - 1) and k <= 16 and slots.is_contiguous() and _norm_fits(residual)
+
+
+# exact: fused inside batch_invariant() only (outside it the composite's mean is aten's), as
+# add_rms_norm; fast: wherever it fits
+def _slot_add_rms_norm_exact_cuda(slots, residual, weight, eps):
+    if scope.invariant_depth() and _slot_norm_fits(slots, residual):
+        return _FUSED_SLOT_NORM(slots, residual, weight, eps)
+    return _slot_add_rms_norm_separate(slots, residual, weight, eps)
+
+
+def _slot_add_rms_norm_fast_cuda(slots, residual, weight, eps):
+    if _slot_norm_fits(slots, residual):
+        return _FUSED_SLOT_NORM(slots, residual, weight, eps)
+    return _slot_add_rms_norm_separate(slots, residual, weight, eps)
+
+
+_FUSED_SLOT_NORM = _lazy("samebits.kernels.norm_rope_triton", "slot_add_rms_norm")
+
+
 # -- the table ----------------------------------------------------------------------------------
 
 TABLE: dict[str, dict[str, dict[str, Callable]]] = {
@@ -348,6 +405,19 @@ TABLE: dict[str, dict[str, dict[str, Callable]]] = {
     "router": {
         "cpu": {ANY: composite.router},
         "cuda": {"exact": _router_exact_cuda, "fast": _router_fast_cuda},
+    },
+    # MoE experts before their top-k sum ([T, K, H] fp32, or None where a device or profile has
+    # no such step: then the model calls `experts`)
+    "experts_slots": {
+        "cpu": {"exact": experts_ref_slots, "fast": _no_slots},
+        "cuda": {"exact": _experts_slots_cuda, "fast": _experts_slots_cuda},
+    },
+    # (slots, dtype) -> the experts' closing top-k sum
+    "sum_slots": {"cpu": {ANY: sum_slots_ref}, "cuda": {ANY: _sum_slots_cuda}},
+    # (slots, residual, weight, eps) -> (residual + sum, norm): on CUDA one launch
+    "slot_add_rms_norm": {
+        "cpu": {ANY: _slot_add_rms_norm_separate},
+        "cuda": {"exact": _slot_add_rms_norm_exact_cuda, "fast": _slot_add_rms_norm_fast_cuda},
     },
     # MoE experts: samebits' batch-invariant kernels (exact); the fast profile: the stock twin on
     # the CPU; on CUDA the Triton kernel too, faster than torch's grouped_mm at every size
