@@ -500,3 +500,62 @@ def test_one_launch_routing_and_slot_sum_give_the_torch_ops_results(t):
     for j in range(1, 8):
         left_to_right = left_to_right + view[:, j]
     assert not torch.equal(left_to_right, tree_sum_ref(view, dim=1))
+
+
+@pytest.mark.parametrize("t", [1, 7, 300])
+def test_slot_add_rms_norm_kernel_is_slot_sum_then_add_rms_norm_on_cuda(t):
+    """`norm_rope_triton.slot_add_rms_norm` (a MoE layer's top-k sum, residual add and norm in
+    one launch; `registry.SLOTS_ON_CUDA` turns it on) = `slot_sum_kernel`, then the add+norm
+    kernel, bit for bit, at the Qwen3-30B-A3B width. Control: the slots summed in index order
+    (aten's sum) give another residual stream where slots nearly cancel in pairs."""
+    from samebits.kernels import experts_triton as et
+    from samebits.kernels import norm_rope_triton as nt
+
+    big = 1e5 * torch.randn(t, 4, 2048, device="cuda", generator=_g(t))
+    slots = torch.cat([big, -big + torch.randn(t, 4, 2048, device="cuda", generator=_g(t + 1))], 1).contiguous()
+    residual = torch.randn(t, 2048, device="cuda", generator=_g(t + 2)).bfloat16()
+    w = (1 + 0.1 * torch.randn(2048, device="cuda", generator=_g(t + 3))).bfloat16()
+    got = nt.slot_add_rms_norm(slots, residual, w, 1e-6)
+    want = nt.rms_norm(et.sum_slots(slots, torch.bfloat16), w, 1e-6, residual=residual)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    other = nt.rms_norm(slots.sum(1).bfloat16(), w, 1e-6, residual=residual)
+    assert not torch.equal(other[0], want[0])
+
+
+def test_engine_with_slots_summed_in_the_next_norm_gives_the_same_bits(tmp_path, monkeypatch):
+    """The engine on CUDA with `registry.SLOTS_ON_CUDA` (each MoE layer's top-k sum made in the
+    next norm's launch) samples the tokens and log-probs it samples without (the experts' own
+    sum), CUDA graphs on; the fused norm ran. Control: the experts' sum added to the residual
+    before its own rounding to bf16 (one rounding where transformers makes two) changes the
+    log-probs."""
+    from samebits import LLM, SamplingParams
+    from samebits.kernels import norm_rope_triton
+    from samebits.kernels.experts import sum_slots_ref
+    from samebits.model.tiny import build_tiny_checkpoint
+    from samebits.numerics import registry
+    from samebits.verify import make_prompts
+
+    path = build_tiny_checkpoint(tmp_path / "t", seed=2)
+    prompts = make_prompts((5, 9, 17, 3, 11), 384, seed=1)
+    params = SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, seed=4)
+
+    def run():
+        return LLM(path, device="cuda", max_num_seqs=8, max_model_len=96).generate(prompts, params)
+
+    base = run()
+    calls = []
+    fused = norm_rope_triton.slot_add_rms_norm
+    monkeypatch.setattr(norm_rope_triton, "slot_add_rms_norm", lambda *a: calls.append(1) or fused(*a))
+    monkeypatch.setattr(registry, "SLOTS_ON_CUDA", True)
+    slots = run()
+    assert calls, "the fused slot norm should have run"
+    for a, b in zip(base, slots, strict=True):
+        assert a.token_ids == b.token_ids and torch.equal(a.logprobs, b.logprobs)
+
+    def one_rounding(s, r, w, eps):  # the experts' sum added to the residual before its rounding
+        h = (sum_slots_ref(s, torch.float32) + r.float()).to(r.dtype)
+        return h, norm_rope_triton.rms_norm(h, w, eps)
+
+    monkeypatch.setattr(norm_rope_triton, "slot_add_rms_norm", one_rounding)
+    other = run()
+    assert any(not torch.equal(a.logprobs, b.logprobs) for a, b in zip(base, other, strict=True))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cpu_facts import needs_varying_stock_bf16
+from interpreted import run_interpreted
 
 from samebits.kernels.attention import attention_ref, varlen_attention
 from samebits.kernels.experts import experts_ref, experts_stock_ref
@@ -244,3 +245,28 @@ def test_experts_have_a_backward():
     ops.experts(x, idx, w, gu, dn).square().sum().backward()  # experts_ref is forward-only; the op trains
     for p in (gu, dn, x, w):
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+
+
+_SLOT_NORM = """
+from samebits.kernels import experts_triton as et, norm_rope_triton as nt
+g = torch.Generator().manual_seed(0)
+for t, k, h in [(3, 8, 2048), (2, 4, 96), (1, 2, 130), (4, 16, 64)]:
+    big = 1e5 * torch.randn(t, k // 2, h, generator=g)
+    slots = torch.cat([big, -big + torch.randn(t, k // 2, h, generator=g)], dim=1).contiguous()
+    residual = torch.randn(t, h, generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(h, generator=g)).bfloat16()
+    got = nt.slot_add_rms_norm(slots, residual, w, 1e-6)
+    want = nt.rms_norm(et.sum_slots(slots, torch.bfloat16), w, 1e-6, residual=residual)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (t, k, h)
+    other = nt.rms_norm(slots.sum(1).bfloat16(), w, 1e-6, residual=residual)
+    assert k == 2 or not torch.equal(other[0], want[0]), (t, k, h)  # control: another K order
+print("OK")
+"""
+
+
+def test_slot_add_rms_norm_kernel_is_slot_sum_then_add_rms_norm_in_tritons_interpreter():
+    """`norm_rope_triton.slot_add_rms_norm` (a MoE layer's top-k sum, the residual add and the
+    norm in one launch) = `slot_sum_kernel` then the add+norm kernel, bit for bit, in Triton's CPU
+    interpreter, at K = 2..16 and H a power of two or not. Control: the slots summed in index
+    order (aten's sum) give another residual stream, where slots nearly cancel in pairs."""
+    run_interpreted(_SLOT_NORM)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from samebits.kernels import topk_order
 from samebits.kernels.topk_order import topk_cuda_order_ref
@@ -57,17 +58,6 @@ def test_one_launch_order_is_trusted_only_where_it_was_checked(monkeypatch):
     assert not topk_order.order_checked(8)
 
 
-_PRELUDE = """
-import torch, triton
-import triton.runtime.interpreter as _ti
-_patch = _ti._patch_lang_tensor
-def _patch_index(tensor, scope):  # numpy >= 2.4 refuses int() of a 1-element array (loop bounds)
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-_ti._patch_lang_tensor = _patch_index
-torch.Tensor.is_cuda = property(lambda self: True)
-"""
-
 _INTERPRETED = """
 import samebits.kernels.router_triton as rt
 import samebits.kernels.router_one_launch as r1
@@ -89,23 +79,10 @@ print("OK")
 """
 
 
-def _interpreted(script: str) -> None:
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", _PRELUDE + script], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr[-2000:]
-
-
 def test_one_launch_router_is_the_oracle_in_tritons_interpreter():
     """`router_one_launch` (fp32 logits, Triton's CPU interpreter) = the softmax kernel, then
     this order, then the renorm kernel, on random and heavily tied logits. Needs Triton."""
-    _interpreted(_INTERPRETED)
+    run_interpreted(_INTERPRETED)
 
 
 def test_refuses_what_it_does_not_reproduce():
