@@ -1,4 +1,7 @@
-"""The MoE router after its linear, in two Triton launches around `torch.topk`.
+"""The MoE router after its linear, in two Triton launches around `torch.topk`. The registry's
+CUDA router runs `router_one_launch` instead where torch.topk's tie order was checked on the
+installed torch (`topk_order.order_checked`); this module is the path everywhere else, and
+that kernel takes its softmax from here (`_probs`).
 
 transformers' `Qwen3MoeTopKRouter` (and the Omni thinker's) does, after the linear:
 
