@@ -396,7 +396,8 @@ def _add_bench(sub) -> None:
         "total output tok/s. Also transformers generate's decode step, the trainer's packed "
         "forward+backward of 4 x 1024 tokens with samebits kernels vs stock transformers (experts "
         "frozen), and with --rl the RL step of the on-policy loop vs the stock loop. Prints one "
-        "table; writes bench.json, bench.csv and bench.png.",
+        "table; writes bench.json, bench.csv and bench.png (bench.json and bench.csv also after each "
+        "arm, marked complete: false until the end, so a run stopped part way keeps what it measured).",
     )
     b.add_argument(
         "--model",
