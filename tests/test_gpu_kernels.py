@@ -559,3 +559,45 @@ def test_engine_with_slots_summed_in_the_next_norm_gives_the_same_bits(tmp_path,
     monkeypatch.setattr(norm_rope_triton, "slot_add_rms_norm", one_rounding)
     other = run()
     assert any(not torch.equal(a.logprobs, b.logprobs) for a, b in zip(base, other, strict=True))
+
+
+@pytest.mark.parametrize("b", [1, 4, 16])
+def test_combine_matmul_is_the_split_merge_then_the_o_proj_gemm_on_cuda(b):
+    """`attention_out_triton.combine_matmul` (the split attention's chunk merge inside the o_proj
+    GEMM; `registry.COMBINE_IN_O_PROJ` turns it on) = the split attention with its combine
+    launch, then the Triton matmul, bit for bit, at the Qwen3-30B-A3B layout (32 query and 4 kv
+    heads of 128, bf16, transposed decode tiles, contexts up to 1100 in shuffled pages).
+    Controls: the same products summed from the other end of K, and one chunk fewer merged."""
+    from samebits.kernels import attention_out_triton as ao
+    from samebits.kernels import attention_triton as at
+    from samebits.kernels import matmul_triton as mt
+
+    h, kvh, d, page = 32, 4, 128, 16
+    lens = [int(x) for x in torch.randint(1, 1100, (b,), generator=torch.Generator().manual_seed(b))]
+    pages = [-(-n // page) for n in lens]
+    total = sum(pages) + 3
+    perm = torch.randperm(total, generator=torch.Generator().manual_seed(b + 1)).to("cuda", torch.int32)
+    table = torch.zeros(b, max(pages), dtype=torch.int32, device="cuda")
+    start = 0
+    for i, p in enumerate(pages):
+        table[i, :p] = perm[start : start + p]
+        start += p
+    kc = torch.randn(total * page, kvh, d, device="cuda", generator=_g(b)).bfloat16()
+    vc = torch.randn(total * page, kvh, d, device="cuda", generator=_g(b + 1)).bfloat16()
+    q = torch.randn(b, h, d, device="cuda", generator=_g(b + 2)).bfloat16()
+    w = (torch.randn(2048, h * d, device="cuda", generator=_g(b + 3)) * (h * d) ** -0.5).bfloat16()
+
+    def i32(xs):
+        return torch.tensor(xs, dtype=torch.int32, device="cuda")
+
+    args = (q, kc, vc, table, i32(list(range(b))), i32([1] * b), i32(lens), 1, d**-0.5, page)
+    out = at.attention(*args, split=True)
+    want = mt.matmul(out.reshape(b, h * d), w.t())
+    parts = at.attention_partials(*args, split=True)
+    assert parts.n_chunks.tolist() == [-(-n // at.CHUNK) for n in lens]
+    got = ao.combine_matmul(parts, w, torch.bfloat16)
+    assert torch.equal(got, want)
+    assert not torch.equal(mt.matmul(out.reshape(b, h * d).flip(-1), w.flip(-1).t()), got)
+    if max(parts.n_chunks.tolist()) > 1:
+        fewer = at.SplitPartials(parts.m, parts.l, parts.acc, (parts.n_chunks - 1).clamp(min=1), parts.chunks)
+        assert not torch.equal(ao.combine_matmul(fewer, w, torch.bfloat16), got)

@@ -270,3 +270,49 @@ def test_slot_add_rms_norm_kernel_is_slot_sum_then_add_rms_norm_in_tritons_inter
     interpreter, at K = 2..16 and H a power of two or not. Control: the slots summed in index
     order (aten's sum) give another residual stream, where slots nearly cancel in pairs."""
     run_interpreted(_SLOT_NORM)
+
+
+_COMBINE_MATMUL = """
+from samebits.kernels import attention_triton as at, attention_out_triton as ao, matmul_triton as mt
+g = torch.Generator().manual_seed(0)
+H, KVH, D, PAGE = 4, 2, 64, 16
+lens = [70, 300, 513, 1000, 777, 256, 257, 900]
+b = len(lens)
+pages = [-(-n // PAGE) for n in lens]
+total = sum(pages) + 3
+perm = torch.randperm(total, generator=g)
+table = torch.zeros(b, max(pages), dtype=torch.int32)
+start = 0
+for i, p in enumerate(pages):
+    table[i, :p] = perm[start:start + p].int(); start += p
+kc = torch.randn(total * PAGE, KVH, D, generator=g).half()
+vc = torch.randn(total * PAGE, KVH, D, generator=g).half()
+q = torch.randn(b, H, D, generator=g).half()
+i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
+args = (q, kc, vc, table, i32(list(range(b))), i32([1] * b), i32(lens), 1, D ** -0.5, PAGE)
+w = (torch.randn(96, H * D, generator=g) * (H * D) ** -0.5).half()
+out = at.attention(*args, split=True, transposed=False)
+want = mt.matmul(out.reshape(b, H * D), w.t())
+parts = at.attention_partials(*args, split=True, transposed=False)
+assert parts is not None and parts.n_chunks.tolist() == [-(-n // 256) for n in lens], parts.n_chunks
+got = ao.combine_matmul(parts, w, torch.float16)
+assert torch.equal(got, want), (got - want).abs().max()
+assert at.attention_partials(*args, split=False, transposed=False) is None
+# controls: the same products summed from the other end of K give other bits (the GEMM's K
+# order is seen), and so does merging one chunk fewer where a row has several (every chunk is)
+flipped = mt.matmul(out.reshape(b, H * D).flip(-1), w.flip(-1).t())
+assert not torch.equal(flipped, got)
+fewer = at.SplitPartials(parts.m, parts.l, parts.acc, (parts.n_chunks - 1).clamp(min=1), parts.chunks)
+assert not torch.equal(ao.combine_matmul(fewer, w, torch.float16), got)
+print("OK")
+"""
+
+
+def test_combine_matmul_is_the_split_merge_then_the_o_proj_gemm_in_tritons_interpreter():
+    """`attention_out_triton.combine_matmul` (a split attention call's chunk merge inside the
+    o_proj GEMM) = the split attention with its combine launch, then the Triton matmul, bit for
+    bit, in Triton's CPU interpreter (fp16: the interpreter has no bf16 constants), over 8
+    sequences of 1-4 chunks in shuffled pages; `attention_partials` stores each row's chunk
+    count and answers None where the call does not split. Controls: the same products summed
+    from the other end of K, and one chunk fewer merged, give other bits."""
+    run_interpreted(_COMBINE_MATMUL)
