@@ -248,13 +248,13 @@ def attention_kernel(
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr,
-    TRANSPOSED: tl.constexpr, L_MMA: tl.constexpr,
+    TRANSPOSED: tl.constexpr, L_MMA: tl.constexpr, STORE_CHUNKS: tl.constexpr = False,
 ):  # fmt: skip
     """Whole (SPLIT False): program (sequence, tile, kv head) walks the chunks of its keys in
     order, merging each. Split: program (sequence, chunk, kv head) of a one-tile call computes
     one chunk and stores its statistics at [query row, chunk, head] for `combine_kernel` (or
-    `attention_out_triton.combine_matmul_kernel`); the first chunk's programs also store each
-    query row's chunk count at n_chunks[row] (`attention_partials`).
+    `attention_out_triton.combine_matmul_kernel`); with STORE_CHUNKS the first chunk's programs
+    also store each query row's chunk count at n_chunks[row] (`attention_partials`).
     A tile is ROWS (query token, head) rows: BLOCK_M in the normal orientation, BLOCK_Q
     transposed (`_attend_block`)."""
     b = tl.program_id(0)
@@ -282,8 +282,9 @@ def attention_kernel(
             D, ROWS, BLOCK_D, BLOCK_N, TRANSPOSED, L_MMA,
         )  # fmt: skip
         at = ((q_start + tok).to(tl.int64) * chunks + tl.program_id(1)) * (G * tl.num_programs(2)) + head
-        if tl.program_id(1) == 0:  # every row of the sequence merges cdiv(hi, CHUNK) chunks
-            tl.store(n_chunks_ptr + q_start + tok, tl.cdiv(hi, CHUNK) + tl.zeros_like(tok), mask=valid)
+        if STORE_CHUNKS:  # each row of the sequence merges cdiv(hi, CHUNK) chunks
+            first = tl.program_id(1) == 0
+            tl.store(n_chunks_ptr + q_start + tok, tl.cdiv(hi, CHUNK) + tl.zeros_like(tok), mask=valid & first)
         tl.store(part_m_ptr + at, m_c, mask=valid)
         tl.store(part_l_ptr + at, l_c, mask=valid)
         tl.store(part_acc_ptr + _row_offsets(at * D, d, TRANSPOSED), acc_c, mask=row_mask)
@@ -397,7 +398,9 @@ def attention(
         part_m = torch.empty(t, chunks, h, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty(t, chunks, h, d, dtype=torch.float32, device=q.device)
-        n_chunks = torch.empty(t, dtype=torch.int32, device=q.device) if defer_combine else part_m
+        n_chunks = (
+            torch.empty(t, dtype=torch.int32, device=q.device) if defer_combine else part_m
+        )  # not written
         grid = (b, chunks, kvh)
     else:
         if defer_combine:
@@ -411,6 +414,7 @@ def attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), block_table.stride(0),
         ROWS=rows, BLOCK_N=block_n, SPLIT=split, TRANSPOSED=transposed, L_MMA=l_by_mma,
+        STORE_CHUNKS=defer_combine,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False, **shape,
     )  # fmt: skip
     if defer_combine:
