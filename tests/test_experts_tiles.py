@@ -54,3 +54,9 @@ def test_the_table_holds_no_k_step_and_its_entries_are_launchable():
 def test_a_negative_pair_count_is_refused():
     with pytest.raises(ValueError, match="pairs must be >= 0"):
         tiles_for(-1)
+
+
+def test_the_slot_tree_takes_powers_of_two_up_to_16():
+    """The Triton slot sum's written-out halving tree: k = 1, 2, 4, 8, 16; others keep
+    `tree_sum_ref` (the same order) or refuse the fused norm."""
+    assert [k for k in range(0, 40) if experts_tiles.slot_tree_fits(k)] == [1, 2, 4, 8, 16]

@@ -516,7 +516,7 @@ def test_slot_add_rms_norm_kernel_is_slot_sum_then_add_rms_norm_on_cuda(t):
     residual = torch.randn(t, 2048, device="cuda", generator=_g(t + 2)).bfloat16()
     w = (1 + 0.1 * torch.randn(2048, device="cuda", generator=_g(t + 3))).bfloat16()
     got = nt.slot_add_rms_norm(slots, residual, w, 1e-6)
-    want = nt.rms_norm(et.sum_slots(slots, torch.bfloat16), w, 1e-6, residual=residual)
+    want = nt.rms_norm(et.slot_sum(slots, torch.bfloat16), w, 1e-6, residual=residual)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     other = nt.rms_norm(slots.sum(1).bfloat16(), w, 1e-6, residual=residual)
     assert not torch.equal(other[0], want[0])

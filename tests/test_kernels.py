@@ -256,7 +256,7 @@ for t, k, h in [(3, 8, 2048), (2, 4, 96), (1, 2, 130), (4, 16, 64)]:
     residual = torch.randn(t, h, generator=g).bfloat16()
     w = (1 + 0.1 * torch.randn(h, generator=g)).bfloat16()
     got = nt.slot_add_rms_norm(slots, residual, w, 1e-6)
-    want = nt.rms_norm(et.sum_slots(slots, torch.bfloat16), w, 1e-6, residual=residual)
+    want = nt.rms_norm(et.slot_sum(slots, torch.bfloat16), w, 1e-6, residual=residual)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (t, k, h)
     other = nt.rms_norm(slots.sum(1).bfloat16(), w, 1e-6, residual=residual)
     assert k == 2 or not torch.equal(other[0], want[0]), (t, k, h)  # control: another K order

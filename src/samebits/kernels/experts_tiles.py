@@ -54,6 +54,13 @@ with less (`experts_triton._stages_that_fit`), which changes no bit.
 
 from __future__ import annotations
 
+
+def slot_tree_fits(k: int) -> bool:
+    """Whether the Triton slot sum (`experts_triton.slot_sum_kernel`, and the norm that sums
+    slots) takes top-k = k: a power of two up to 16, its halving tree written out."""
+    return 0 < k <= 16 and not k & (k - 1)
+
+
 BLOCK_K = 64  # the K step of both kernels, for every batch: fixes each element's K order
 DECODE_TILES = (16, 32, 2, 6)  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 SMALL_TILES = (64, 64, 4, 3)

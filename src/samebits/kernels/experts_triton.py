@@ -38,7 +38,7 @@ import triton.language as tl
 
 from samebits.kernels.device_facts import shared_memory_per_block
 from samebits.kernels.experts import route
-from samebits.kernels.experts_tiles import BLOCK_K, DECODE_TILES, m_in_grid_for, tiles_for
+from samebits.kernels.experts_tiles import BLOCK_K, DECODE_TILES, m_in_grid_for, slot_tree_fits, tiles_for
 from samebits.kernels.launch import fast_launch
 from samebits.kernels.reduce import tree_sum_ref
 
@@ -319,22 +319,20 @@ def experts_forward(
         num_stages=stages,
         **grid_m,
     )
-    if not sum_slots:
-        return per_slot.view(t, k, h)
-    if k & (k - 1) or k > 16:
-        return tree_sum_ref(per_slot.view(t, k, h), dim=1).to(hidden_states.dtype)
-    out = torch.empty(t, h, dtype=hidden_states.dtype, device=hidden_states.device)
-    slot_sum_kernel[(t, triton.cdiv(h, SLOT_BLOCK_H))](per_slot, out, h, K=k, BLOCK_H=SLOT_BLOCK_H, num_warps=4)
-    return out
+    per_slot = per_slot.view(t, k, h)
+    return per_slot if not sum_slots else slot_sum(per_slot, hidden_states.dtype)
 
 
 SLOT_BLOCK_H = 512
 
 
-def sum_slots(slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[T, K, H] fp32 weighted slot outputs (K a power of two <= 16) -> [T, H] in `dtype`: the
-    top-k sum `experts_forward` ends with (`slot_sum_kernel`)."""
+def slot_sum(slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, K, H] fp32 weighted slot outputs -> [T, H] in `dtype`: the top-k sum `experts_forward`
+    ends with (`slot_sum_kernel`; `tree_sum_ref`, the same order, where the kernel's tree does
+    not fit K)."""
     t, k, h = slots.shape
+    if not slot_tree_fits(k):
+        return tree_sum_ref(slots, dim=1).to(dtype)
     slots = slots.contiguous()
     out = torch.empty(t, h, dtype=dtype, device=slots.device)
     if t:

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from samebits.kernels.experts_tiles import slot_tree_fits
 from samebits.kernels.experts_triton import _slot_tree_sum
 from samebits.kernels.launch import fast_launch
 from samebits.kernels.reduce_triton import tree_sum_block
@@ -79,8 +80,7 @@ def slot_add_rms_norm(slots: torch.Tensor, residual: torch.Tensor, weight: torch
         residual.shape != (t, h)
         or not slots.is_contiguous()
         or slots.dtype != torch.float32
-        or k & (k - 1)
-        or k > 16
+        or not slot_tree_fits(k)
     ):
         raise ValueError(
             f"slot_add_rms_norm: slots [T, K, H] contiguous fp32 with K a power of two <= 16 and residual "

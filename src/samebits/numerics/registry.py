@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from samebits.kernels.experts import experts_ref, experts_ref_slots, experts_stock_ref, sum_slots_ref
 from samebits.kernels.experts_backward import experts_backward
+from samebits.kernels.experts_tiles import slot_tree_fits
 from samebits.kernels.matmul import adjacent_rows, bmm_ref, matmul_ref
 from samebits.kernels.norm_backward import rms_norm_backward_ref
 from samebits.kernels.reduce import tree_sum_ref
@@ -336,19 +337,17 @@ def _no_slots(x, index, weights, gate_up, down):
 
 
 def _experts_slots_cuda(x, index, weights, gate_up, down):
-    k = index.shape[-1]
-    if not SLOTS_ON_CUDA or k & (k - 1) or k > 16 or not triton_available():
+    if not SLOTS_ON_CUDA or not slot_tree_fits(index.shape[-1]) or not triton_available():
         return None
     return _EXPERTS_TRITON(x, index, weights.contiguous(), gate_up, down, sum_slots=False)
 
 
 def _sum_slots_cuda(slots, dtype):
-    k = slots.shape[1]
-    if k & (k - 1) or k > 16 or not triton_available():
+    if not triton_available():
         return sum_slots_ref(slots, dtype)
-    from samebits.kernels.experts_triton import sum_slots
+    from samebits.kernels.experts_triton import slot_sum
 
-    return sum_slots(slots, dtype)
+    return slot_sum(slots, dtype)
 
 
 def _slot_add_rms_norm_separate(slots, residual, weight, eps):
@@ -358,8 +357,7 @@ def _slot_add_rms_norm_separate(slots, residual, weight, eps):
 
 
 def _slot_norm_fits(slots, residual) -> bool:
-    k = slots.shape[1]
-    return not k & (k - 1) and k <= 16 and slots.is_contiguous() and _norm_fits(residual)
+    return slot_tree_fits(slots.shape[1]) and slots.is_contiguous() and _norm_fits(residual)
 
 
 # exact: fused inside batch_invariant() only (outside it the composite's mean is aten's), as
