@@ -42,7 +42,6 @@ D = head dim, B = sequences.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -243,18 +242,16 @@ def _tile_rows(
 @triton.jit
 def attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, block_table_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr, n_chunks_ptr, chunks,
+    part_m_ptr, part_l_ptr, part_acc_ptr, chunks,
     scale, page_size,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr,
-    TRANSPOSED: tl.constexpr, L_MMA: tl.constexpr, STORE_CHUNKS: tl.constexpr = False,
+    TRANSPOSED: tl.constexpr, L_MMA: tl.constexpr,
 ):  # fmt: skip
     """Whole (SPLIT False): program (sequence, tile, kv head) walks the chunks of its keys in
     order, merging each. Split: program (sequence, chunk, kv head) of a one-tile call computes
-    one chunk and stores its statistics at [query row, chunk, head] for `combine_kernel` (or
-    `attention_out_triton.combine_matmul_kernel`); with STORE_CHUNKS the first chunk's programs
-    also store each query row's chunk count at n_chunks[row] (`attention_partials`).
+    one chunk and stores its statistics at [query row, chunk, head] for `combine_kernel`.
     A tile is ROWS (query token, head) rows: BLOCK_M in the normal orientation, BLOCK_Q
     transposed (`_attend_block`)."""
     b = tl.program_id(0)
@@ -282,9 +279,6 @@ def attention_kernel(
             D, ROWS, BLOCK_D, BLOCK_N, TRANSPOSED, L_MMA,
         )  # fmt: skip
         at = ((q_start + tok).to(tl.int64) * chunks + tl.program_id(1)) * (G * tl.num_programs(2)) + head
-        if STORE_CHUNKS:  # each row of the sequence merges cdiv(hi, CHUNK) chunks
-            first = tl.program_id(1) == 0
-            tl.store(n_chunks_ptr + q_start + tok, tl.cdiv(hi, CHUNK) + tl.zeros_like(tok), mask=valid & first)
         tl.store(part_m_ptr + at, m_c, mask=valid)
         tl.store(part_l_ptr + at, l_c, mask=valid)
         tl.store(part_acc_ptr + _row_offsets(at * D, d, TRANSPOSED), acc_c, mask=row_mask)
@@ -360,8 +354,7 @@ def attention(
     split: bool | None = None,
     transposed: bool | None = None,
     l_by_mma: bool = True,
-    defer_combine: bool = False,
-):
+) -> torch.Tensor:
     """Causal attention of every query over its own sequence's keys 0..p -> [T, H, D].
 
     Query i of sequence b sits at position ctx_len[b] - q_len[b] + i. The K/V of
@@ -372,9 +365,6 @@ def attention(
     (transposed for decode at the head layout where that was compared, split below the SM
     count's programs). `block_n`, `chunk` and `l_by_mma` (False: row sums by `tl.sum`) exist
     for experiments and negative controls: the engine and the trainer always use the defaults.
-    `defer_combine` (use `attention_partials`): where the plan splits, return the chunks'
-    statistics instead of merging them (`SplitPartials`, for a consumer that merges them in its
-    own launch); where it does not, return None and launch nothing.
     """
     check_attention_inputs(q, k_cache, v_cache)
     t, h, d = q.shape
@@ -389,7 +379,7 @@ def attention(
         out = torch.empty_like(q)
     b = q_len.shape[0]
     if t == 0 or b == 0 or max_q_len == 0:
-        return None if defer_combine else out
+        return out
     block_d = max(16, triton.next_power_of_2(d))
     path = plan(max_q_len, b, kvh, g, d, q.dtype, sm_count(q.device), split, transposed)
     split, transposed, rows, tokens_per_tile = path.split, path.transposed, path.rows, path.tokens_per_tile
@@ -398,59 +388,25 @@ def attention(
         part_m = torch.empty(t, chunks, h, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty(t, chunks, h, d, dtype=torch.float32, device=q.device)
-        n_chunks = (
-            torch.empty(t, dtype=torch.int32, device=q.device) if defer_combine else part_m
-        )  # not written
         grid = (b, chunks, kvh)
     else:
-        if defer_combine:
-            return None
-        part_m = part_l = part_acc = n_chunks = out  # not read
+        part_m = part_l = part_acc = out  # not read
         grid = (b, triton.cdiv(max_q_len, tokens_per_tile), kvh)
     shape = dict(G=g, G_PAD=triton.next_power_of_2(g), D=d, BLOCK_D=block_d, CHUNK=chunk)
     attention_kernel[grid](
-        q, k_cache, v_cache, out, block_table, q_start, q_len, ctx_len, part_m, part_l, part_acc, n_chunks,
-        chunks, scale, page_size,
+        q, k_cache, v_cache, out, block_table, q_start, q_len, ctx_len, part_m, part_l, part_acc, chunks,
+        scale, page_size,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), block_table.stride(0),
         ROWS=rows, BLOCK_N=block_n, SPLIT=split, TRANSPOSED=transposed, L_MMA=l_by_mma,
-        STORE_CHUNKS=defer_combine,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False, **shape,
     )  # fmt: skip
-    if defer_combine:
-        return SplitPartials(part_m, part_l, part_acc, n_chunks, chunks)
     if split:
         combine_kernel[(b, kvh)](
             out, q_start, q_len, ctx_len, part_m, part_l, part_acc, chunks, out.stride(0), out.stride(1),
             BLOCK_M=BLOCK_M, num_warps=NUM_WARPS, enable_fp_fusion=False, **shape,
         )  # fmt: skip
     return out
-
-
-@dataclass
-class SplitPartials:
-    """A split call's chunk statistics, not yet merged: m and l [T, chunks, H] fp32, acc [T,
-    chunks, H, D] fp32, n_chunks [T] int32 (the chunks row t merges; rows of T that belong to no
-    sequence hold garbage there), `chunks` the bound the layout uses."""
-
-    m: torch.Tensor
-    l: torch.Tensor  # noqa: E741
-    acc: torch.Tensor
-    n_chunks: torch.Tensor
-    chunks: int
-
-
-def attention_partials(
-    q, k_cache, v_cache, block_table, q_start, q_len, ctx_len, max_q_len, scale, page_size,
-    split: bool | None = None, transposed: bool | None = None,
-) -> SplitPartials | None:  # fmt: skip
-    """`attention`'s chunk statistics where `attention_plan.plan` splits this call's keys
-    (small decode batches), for `attention_out_triton.combine_matmul`; None (nothing launched)
-    where it does not. `split`, `transposed`: as `attention`'s (tests)."""
-    return attention(
-        q, k_cache, v_cache, block_table, q_start, q_len, ctx_len, max_q_len, scale, page_size,
-        split=split, transposed=transposed, defer_combine=True,
-    )  # fmt: skip
 
 
 def paged_attention(

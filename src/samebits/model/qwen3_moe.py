@@ -54,10 +54,6 @@ class Attention(nn.Module):
             q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon,
             cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping,
         )  # fmt: skip
-        if self.o_proj.bias is None:  # the split merge inside the o_proj GEMM, where it runs
-            out = ops.attention_out(q, kv_cache[0], kv_cache[1], meta, self.scaling, self.o_proj.weight)
-            if out is not None:
-                return out
         out = attention(q, kv_cache[0], kv_cache[1], meta, self.scaling)
         return self.o_proj(out.reshape(t, -1))
 

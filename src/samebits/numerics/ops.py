@@ -184,17 +184,6 @@ def projections(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[torch.Ten
     return pick("projections", x.device.type)(x, weights)
 
 
-def attention_out(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, batch, scale: float, weight: Tensor
-) -> Tensor | None:
-    """`F.linear(attention(q, k_cache, v_cache, batch, scale).reshape(T, -1), weight)` (an
-    o_proj without bias) in fewer launches where this device, profile and call have that step
-    (on CUDA a split call's chunk merge inside the o_proj GEMM, the two steps' bits; off until
-    its GPU test passes: `registry.COMBINE_IN_O_PROJ`); None elsewhere: then run the two steps.
-    `batch`: the `model.attention.AttentionBatch` of the call."""
-    return pick("attention_out", q.device.type)(q, k_cache, v_cache, batch, scale, weight)
-
-
 def experts_slots(
     hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor
 ) -> Tensor | None:

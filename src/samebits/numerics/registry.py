@@ -326,10 +326,11 @@ def _router_fast_cuda(router_logits, top_k, norm_topk_prob):
 # -- a MoE layer's top-k sum in the next norm's launch --------------------------------------------
 # The experts hand the next norm their weighted slot outputs [T, K, H] fp32; the norm sums them
 # (the experts' tree, rounded once), adds the residual and normalizes in one launch. On CUDA that
-# is `norm_rope_triton.slot_add_rms_norm`, which has not run on a GPU yet (docs/perf-notes.md,
-# twelfth session): until its GPU test (tests/test_gpu_kernels.py) passes, CUDA keeps the experts'
-# own sum (`experts_slots` answers None) and this stays False.
-SLOTS_ON_CUDA = False
+# is `norm_rope_triton.slot_add_rms_norm`; its GPU tests (tests/test_gpu_kernels.py -k slot: the
+# kernel against the two launches, the engine with it against without) passed on the H200
+# (docs/perf-notes.md, thirteenth session). False is the way back to the experts' own sum
+# (`experts_slots` answers None).
+SLOTS_ON_CUDA = True
 
 
 def _no_slots(x, index, weights, gate_up, down):
@@ -377,45 +378,6 @@ def _slot_add_rms_norm_fast_cuda(slots, residual, weight, eps):
 _FUSED_SLOT_NORM = _lazy("samebits.kernels.norm_rope_triton", "slot_add_rms_norm")
 
 
-# -- a split attention call's merge inside the o_proj GEMM ------------------------------------------
-# (q, k_cache, v_cache, batch, scale, o_proj weight) -> o_proj(attention) [T, N], or None where
-# the device, profile or plan has no such step (then: attention, then the linear). On CUDA,
-# where `attention_plan.plan` splits the keys (small decode batches), the chunks' merge runs in
-# the o_proj GEMM's launch (`attention_out_triton.combine_matmul`: one launch fewer a layer). It
-# has not run on a GPU yet (docs/perf-notes.md, twelfth session): until its GPU test
-# (tests/test_gpu_kernels.py -k combine) passes this stays False.
-COMBINE_IN_O_PROJ = False
-
-
-def _no_attention_out(q, k_cache, v_cache, batch, scale, weight):
-    return None
-
-
-def _attention_out_cuda(q, k_cache, v_cache, batch, scale, weight):
-    if not COMBINE_IN_O_PROJ or not triton_available():
-        return None
-    from samebits.kernels import attention_out_triton as ao
-    from samebits.kernels.attention_triton import attention_partials
-
-    if weight.dtype != q.dtype or weight.shape[1] != q.shape[1] * q.shape[2] or q.shape[2] % ao.BLOCK_K:
-        return None
-    parts = attention_partials(
-        q, k_cache, v_cache, batch.block_table, batch.query_start_loc[:-1], batch.query_lens,
-        batch.seq_lens, batch.max_query_len, scale, batch.block_size,
-    )  # fmt: skip
-    if parts is None or not ao.supported(parts, weight, q.dtype):
-        return None
-    return ao.combine_matmul(parts, weight, q.dtype)
-
-
-# exact: only inside batch_invariant(), where the o_proj linear is the Triton matmul whose bits
-# the fused GEMM has; fast: wherever it applies
-def _attention_out_exact_cuda(q, k_cache, v_cache, batch, scale, weight):
-    if not scope.invariant_depth():
-        return None
-    return _attention_out_cuda(q, k_cache, v_cache, batch, scale, weight)
-
-
 # -- the table ----------------------------------------------------------------------------------
 
 TABLE: dict[str, dict[str, dict[str, Callable]]] = {
@@ -442,11 +404,6 @@ TABLE: dict[str, dict[str, dict[str, Callable]]] = {
     "router": {
         "cpu": {ANY: composite.router},
         "cuda": {"exact": _router_exact_cuda, "fast": _router_fast_cuda},
-    },
-    # attention then its o_proj (no bias) in fewer launches, or None: then the two steps
-    "attention_out": {
-        "cpu": {ANY: _no_attention_out},
-        "cuda": {"exact": _attention_out_exact_cuda, "fast": _attention_out_cuda},
     },
     # MoE experts before their top-k sum ([T, K, H] fp32, or None where a device or profile has
     # no such step: then the model calls `experts`)
