@@ -102,33 +102,79 @@ def test_split_keys_give_the_bits_of_one_program_per_tile(h, kvh, d):
     ones = torch.ones(len(lens), dtype=torch.int32, device="cuda")
     qs = torch.stack([q[n - 1] for n in lens])
     for split, transposed in _decode_paths(h, kvh, d):
-        out = attention(
-            qs, kc, vc, tables, starts, ones, lens_t, 1, scale, 16, split=split, transposed=transposed
-        )
-        for i, n in enumerate(lens):
-            assert torch.equal(out[i], packed[n - 1]), (split, transposed, n)
+        for merge_last in (False, True) if split else (None,):  # the combine launch, the last program
+            out = attention(
+                qs, kc, vc, tables, starts, ones, lens_t, 1, scale, 16, split=split, transposed=transposed,
+                merge_last=merge_last,
+            )  # fmt: skip
+            for i, n in enumerate(lens):
+                assert torch.equal(out[i], packed[n - 1]), (split, transposed, merge_last, n)
     three = [n for n in lens if n >= 3]  # 3 queries per sequence in one split call
     q3 = torch.cat([q[n - 3 : n] for n in three]).contiguous()
-    out = attention(
-        q3, kc, vc, tables[: len(three)], starts[: len(three)] * 3, ones[: len(three)] * 3,
-        torch.tensor(three, dtype=torch.int32, device="cuda"), 3, scale, 16, split=True,
-    )  # fmt: skip
-    for i, n in enumerate(three):
-        assert torch.equal(out[3 * i : 3 * i + 3], packed[n - 3 : n]), n
+    for merge_last in (False, True):
+        out = attention(
+            q3, kc, vc, tables[: len(three)], starts[: len(three)] * 3, ones[: len(three)] * 3,
+            torch.tensor(three, dtype=torch.int32, device="cuda"), 3, scale, 16, split=True,
+            merge_last=merge_last,
+        )  # fmt: skip
+        for i, n in enumerate(three):
+            assert torch.equal(out[3 * i : 3 * i + 3], packed[n - 3 : n]), (merge_last, n)
     if len(_decode_paths(h, kvh, d)) == 4:  # 2 queries per sequence x 8 heads: one transposed tile
         two = [n for n in lens if n >= 2]
         q2 = torch.cat([q[n - 2 : n] for n in two]).contiguous()
         lens2 = torch.tensor(two, dtype=torch.int32, device="cuda")
-        for split in (True, False):
+        for split, merge_last in ((True, False), (True, True), (False, None)):
             out = attention(
                 q2, kc, vc, tables[: len(two)], starts[: len(two)] * 2, ones[: len(two)] * 2, lens2, 2,
-                scale, 16, split=split, transposed=True,
+                scale, 16, split=split, transposed=True, merge_last=merge_last,
             )  # fmt: skip
             for i, n in enumerate(two):
-                assert torch.equal(out[2 * i : 2 * i + 2], packed[n - 2 : n]), (split, n)
+                assert torch.equal(out[2 * i : 2 * i + 2], packed[n - 2 : n]), (split, merge_last, n)
     other = attention(q, k, v, table1, *_int(0, s, s), s, scale, 1, chunk=CHUNK // 2)
     assert torch.equal(other[: CHUNK // 2], packed[: CHUNK // 2])
     assert not torch.equal(other[CHUNK // 2 :], packed[CHUNK // 2 :])
+
+
+def test_split_merged_in_the_last_program_keeps_its_bits_across_calls_and_graph_replays():
+    """A split call merged by its last chunk program (`merge_last`: a ticket counter per
+    sequence and kv head, put back to 0 by the merging program) gives the combine launch's bits
+    at the real layout, eagerly and in a CUDA graph replayed several times, and leaves every
+    ticket at 0. Control: a stale ticket makes a program merge before every chunk is in (run
+    eagerly; its sequence's rows change, the others' do not)."""
+    from samebits.kernels import attention_triton as at
+
+    h, kvh, d = 32, 4, 128
+    lens = [1, 255, 256, 257, 1000, 777, 513, 1100]
+    s = max(lens)
+    q = torch.randn(len(lens), h, d, device="cuda", generator=_g(50)).bfloat16()
+    k = torch.randn(s, kvh, d, device="cuda", generator=_g(51)).bfloat16()
+    v = torch.randn(s, kvh, d, device="cuda", generator=_g(52)).bfloat16()
+    kc, vc, table = _paged(k, v, 16, seed=53)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    meta = (
+        table.expand(len(lens), -1).contiguous(), torch.arange(len(lens), **i32),
+        torch.ones(len(lens), **i32), torch.tensor(lens, **i32),
+    )  # fmt: skip
+    args = (q, kc, vc, *meta, 1, d**-0.5, 16)
+    want = at.attention(*args, split=True, merge_last=False)
+    out = torch.zeros_like(q)
+    at.attention(*args, split=True, merge_last=True, out=out)
+    tickets = at._tickets(q.device, len(lens) * kvh)
+    assert torch.equal(out, want) and not tickets.any()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        at.attention(*args, split=True, merge_last=True, out=out)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and not tickets.any()
+    tickets[4 * kvh + 2] = 1  # sequence 4 (1000 keys: 4 chunks), kv head 2
+    stale = at.attention(*args, split=True, merge_last=True, out=torch.zeros_like(q))
+    tickets.zero_()
+    heads = slice(2 * h // kvh, 3 * h // kvh)
+    assert not torch.equal(stale[4, heads], want[4, heads])
+    assert torch.equal(stale[:4], want[:4]) and torch.equal(stale[5:], want[5:])
 
 
 def test_transposed_tiles_give_the_bits_of_normal_tiles():

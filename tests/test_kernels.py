@@ -270,3 +270,48 @@ def test_slot_add_rms_norm_kernel_is_slot_sum_then_add_rms_norm_in_tritons_inter
     interpreter, at K = 2..16 and H a power of two or not. Control: the slots summed in index
     order (aten's sum) give another residual stream, where slots nearly cancel in pairs."""
     run_interpreted(_SLOT_NORM)
+
+
+_MERGE_LAST = """
+from samebits.kernels import attention_triton as at
+g = torch.Generator().manual_seed(0)
+H, KVH, D, PAGE = 4, 2, 64, 16
+lens = [70, 300, 513, 1000, 777, 256, 257, 900]
+b = len(lens)
+pages = [-(-n // PAGE) for n in lens]
+total = sum(pages) + 3
+perm = torch.randperm(total, generator=g)
+table = torch.zeros(b, max(pages), dtype=torch.int32)
+start = 0
+for i, p in enumerate(pages):
+    table[i, :p] = perm[start:start + p].int(); start += p
+kc = torch.randn(total * PAGE, KVH, D, generator=g).half()
+vc = torch.randn(total * PAGE, KVH, D, generator=g).half()
+q = torch.randn(b, H, D, generator=g).half()
+i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
+args = (q, kc, vc, table, i32(list(range(b))), i32([1] * b), i32(lens), 1, D ** -0.5, PAGE)
+whole = at.attention(*args, split=False, transposed=False)
+launch = at.attention(*args, split=True, transposed=False, merge_last=False)
+assert torch.equal(launch, whole)
+tickets = at._tickets(q.device, b * KVH)
+for _ in range(2):  # the tickets are back to 0 after each call, so the next call merges as well
+    last = at.attention(*args, split=True, transposed=False, merge_last=True)
+    assert torch.equal(last, launch), (last - launch).abs().max()
+    assert not tickets.any(), tickets[: b * KVH]
+# control: a stale ticket (sequence 3, kv head 1) makes a program before the last merge, before
+# every chunk is in: that sequence's rows (4 chunks) change, the others keep their bits
+tickets[3 * KVH + 1] = 1
+stale = at.attention(*args, split=True, transposed=False, merge_last=True, out=torch.zeros_like(q))
+tickets.zero_()
+assert not torch.equal(stale[3], launch[3]) and torch.equal(stale[:3], launch[:3])
+print("OK")
+"""
+
+
+def test_split_attention_merged_in_its_last_program_gives_the_combine_launchs_bits_in_tritons_interpreter():
+    """A split attention call whose chunks are merged by the last chunk program of each
+    (sequence, kv head) to finish (`merge_last`: a ticket counter) = the same call merged by
+    `combine_kernel` = one program per tile, bit for bit, in Triton's CPU interpreter (fp16),
+    over 8 sequences of 1-4 chunks in shuffled pages, twice (the counters are put back to 0).
+    Control: a stale ticket makes an earlier program merge before every chunk is in."""
+    run_interpreted(_MERGE_LAST)

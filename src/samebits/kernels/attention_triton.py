@@ -210,6 +210,27 @@ def _merge(m, l_run, acc, m_c, l_c, acc_c, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
+def _merge_chunks(
+    part_m_ptr, part_l_ptr, part_acc_ptr, row, head, valid, d, row_mask, chunks, n_chunks, heads,
+    D: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, TRANSPOSED: tl.constexpr, CACHE: tl.constexpr,
+):  # fmt: skip
+    """A split call's chunk statistics [T, chunks, heads] of the tile's rows (query row `row`,
+    head `head`), merged in chunk order from fresh statistics -> (m, l, acc). Elementwise, so
+    the orientation only decides the layout: `combine_kernel` and the last chunk program
+    (MERGE_LAST) get the same bits."""
+    m, l_run, acc = _fresh(ROWS, BLOCK_D, TRANSPOSED)
+    for c in range(0, n_chunks):
+        at = (row.to(tl.int64) * chunks + c) * heads + head
+        m_c = tl.load(part_m_ptr + at, mask=valid, other=float("-inf"), cache_modifier=CACHE)
+        l_c = tl.load(part_l_ptr + at, mask=valid, other=0.0, cache_modifier=CACHE)
+        acc_c = tl.load(
+            part_acc_ptr + _row_offsets(at * D, d, TRANSPOSED), mask=row_mask, other=0.0, cache_modifier=CACHE
+        )
+        m, l_run, acc = _merge(m, l_run, acc, m_c, l_c, acc_c, TRANSPOSED)
+    return m, l_run, acc
+
+
+@triton.jit
 def _tile_rows(
     b,
     tile,
@@ -242,18 +263,20 @@ def _tile_rows(
 @triton.jit
 def attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, block_table_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr, chunks,
+    part_m_ptr, part_l_ptr, part_acc_ptr, chunks, ticket_ptr,
     scale, page_size,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr,
-    TRANSPOSED: tl.constexpr, L_MMA: tl.constexpr,
+    TRANSPOSED: tl.constexpr, L_MMA: tl.constexpr, MERGE_LAST: tl.constexpr = False,
 ):  # fmt: skip
     """Whole (SPLIT False): program (sequence, tile, kv head) walks the chunks of its keys in
     order, merging each. Split: program (sequence, chunk, kv head) of a one-tile call computes
-    one chunk and stores its statistics at [query row, chunk, head] for `combine_kernel`.
-    A tile is ROWS (query token, head) rows: BLOCK_M in the normal orientation, BLOCK_Q
-    transposed (`_attend_block`)."""
+    one chunk and stores its statistics at [query row, chunk, head] for `combine_kernel`, or
+    (MERGE_LAST) takes a ticket at ticket[sequence, kv head] after its stores, and the
+    program that draws the last one merges the chunks as `combine_kernel` does (`_merge_chunks`)
+    and puts the ticket back to 0 for the next call. A tile is ROWS (query token, head) rows:
+    BLOCK_M in the normal orientation, BLOCK_Q transposed (`_attend_block`)."""
     b = tl.program_id(0)
     kvh = tl.program_id(2)
     tile = 0 if SPLIT else tl.program_id(1)
@@ -282,6 +305,24 @@ def attention_kernel(
         tl.store(part_m_ptr + at, m_c, mask=valid)
         tl.store(part_l_ptr + at, l_c, mask=valid)
         tl.store(part_acc_ptr + _row_offsets(at * D, d, TRANSPOSED), acc_c, mask=row_mask)
+        if MERGE_LAST:
+            # every thread's stores before the ticket (the release); the last ticket's program
+            # then sees every chunk's (the acquire; its loads bypass L1, which may hold an
+            # earlier call's lines of these buffers)
+            tl.debug_barrier()
+            ticket = ticket_ptr + b * tl.num_programs(2) + kvh
+            n_chunks = tl.cdiv(hi, CHUNK)
+            if tl.atomic_add(ticket, 1, sem="acq_rel") == n_chunks - 1:
+                tl.atomic_xchg(ticket, 0, sem="relaxed")
+                m, l_run, acc = _merge_chunks(
+                    part_m_ptr, part_l_ptr, part_acc_ptr, q_start + tok, head, valid, d, row_mask, chunks,
+                    n_chunks, G * tl.num_programs(2), D, ROWS, BLOCK_D, TRANSPOSED, ".cg",
+                )  # fmt: skip
+                tl.store(
+                    o_ptr + _row_offsets((q_start + tok) * stride_ot + head * stride_oh, d, TRANSPOSED),
+                    (acc / _per_row(l_run, TRANSPOSED)).to(o_ptr.dtype.element_ty),
+                    mask=row_mask,
+                )
     else:
         m, l_run, acc = _fresh(ROWS, BLOCK_D, TRANSPOSED)
         m_c, l_c, acc_c = _fresh(ROWS, BLOCK_D, TRANSPOSED)
@@ -320,21 +361,37 @@ def combine_kernel(
     if q_len <= 0:
         return
     d = tl.arange(0, BLOCK_D)
-    m, l_run, acc = _fresh(BLOCK_M, BLOCK_D, False)
-    heads = G * tl.num_programs(1)
-    for c in range(0, tl.cdiv(hi, CHUNK)):
-        at = ((q_start + tok).to(tl.int64) * chunks + c) * heads + head  # [T, chunks, H]
-        m_c = tl.load(part_m_ptr + at, mask=valid, other=float("-inf"))
-        l_c = tl.load(part_l_ptr + at, mask=valid, other=0.0)
-        acc_c = tl.load(
-            part_acc_ptr + at[:, None] * D + d[None, :], mask=valid[:, None] & (d[None, :] < D), other=0.0
-        )
-        m, l_run, acc = _merge(m, l_run, acc, m_c, l_c, acc_c, False)
+    m, l_run, acc = _merge_chunks(
+        part_m_ptr, part_l_ptr, part_acc_ptr, q_start + tok, head, valid, d, _row_mask(valid, d, D, False),
+        chunks, tl.cdiv(hi, CHUNK), G * tl.num_programs(1), D, BLOCK_M, BLOCK_D, False, "",
+    )  # fmt: skip
     tl.store(
         o_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
         (acc / l_run[:, None]).to(o_ptr.dtype.element_ty),
         mask=valid[:, None] & (d[None, :] < D),
     )
+
+
+# A split call's chunks merged by the last chunk program of each (sequence, kv head) to finish
+# (a ticket counter) rather than by `combine_kernel` in a second launch: the same operations in
+# the same order. False until measured on the H200 (docs/perf-notes.md, thirteenth session).
+MERGE_LAST = False
+_TICKETS: dict[str, torch.Tensor] = {}  # device -> int32 counters, all 0 between calls
+TICKETS = 1024  # counters per device: a split call has sequences x kv heads < the SMs
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    """The MERGE_LAST counters of `device`: zeros, put back to zero by every call that used
+    them (by the last program of each sequence and kv head), so one allocation serves every
+    later call, CUDA graph replays included (the engine runs each size eagerly before it
+    captures it, so the allocation is not captured). Split calls on one device must not run at
+    once on two streams: the engine's decode runs on one."""
+    if n > TICKETS:
+        raise ValueError(f"attention: a split call of {n} (sequence, kv head) pairs exceeds {TICKETS} tickets")
+    key = str(device)
+    if key not in _TICKETS:
+        _TICKETS[key] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
+    return _TICKETS[key]
 
 
 def attention(
@@ -354,6 +411,7 @@ def attention(
     split: bool | None = None,
     transposed: bool | None = None,
     l_by_mma: bool = True,
+    merge_last: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query over its own sequence's keys 0..p -> [T, H, D].
 
@@ -365,6 +423,8 @@ def attention(
     (transposed for decode at the head layout where that was compared, split below the SM
     count's programs). `block_n`, `chunk` and `l_by_mma` (False: row sums by `tl.sum`) exist
     for experiments and negative controls: the engine and the trainer always use the defaults.
+    `merge_last` (a split call): merge the chunks in the last chunk program to finish rather
+    than in a second launch (`attention_kernel`'s MERGE_LAST; the same bits); None: `MERGE_LAST`.
     """
     check_attention_inputs(q, k_cache, v_cache)
     t, h, d = q.shape
@@ -384,6 +444,7 @@ def attention(
     path = plan(max_q_len, b, kvh, g, d, q.dtype, sm_count(q.device), split, transposed)
     split, transposed, rows, tokens_per_tile = path.split, path.transposed, path.rows, path.tokens_per_tile
     chunks = triton.cdiv(block_table.shape[1] * page_size, chunk)  # a bound on any sequence's chunks
+    merge_last = split and (MERGE_LAST if merge_last is None else merge_last)
     if split:
         part_m = torch.empty(t, chunks, h, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
@@ -392,16 +453,17 @@ def attention(
     else:
         part_m = part_l = part_acc = out  # not read
         grid = (b, triton.cdiv(max_q_len, tokens_per_tile), kvh)
+    tickets = _tickets(q.device, b * kvh) if merge_last else part_m  # not read unless merge_last
     shape = dict(G=g, G_PAD=triton.next_power_of_2(g), D=d, BLOCK_D=block_d, CHUNK=chunk)
     attention_kernel[grid](
         q, k_cache, v_cache, out, block_table, q_start, q_len, ctx_len, part_m, part_l, part_acc, chunks,
-        scale, page_size,
+        tickets, scale, page_size,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), block_table.stride(0),
-        ROWS=rows, BLOCK_N=block_n, SPLIT=split, TRANSPOSED=transposed, L_MMA=l_by_mma,
+        ROWS=rows, BLOCK_N=block_n, SPLIT=split, TRANSPOSED=transposed, L_MMA=l_by_mma, MERGE_LAST=merge_last,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False, **shape,
     )  # fmt: skip
-    if split:
+    if split and not merge_last:
         combine_kernel[(b, kvh)](
             out, q_start, q_len, ctx_len, part_m, part_l, part_acc, chunks, out.stride(0), out.stride(1),
             BLOCK_M=BLOCK_M, num_warps=NUM_WARPS, enable_fp_fusion=False, **shape,
