@@ -1,7 +1,7 @@
 """Decode and prefill attention: which paths keep the bits, and what they cost (CUDA)
 
     python benchmarks/attention_configs.py --batches 1,16,32,64,128,256 --context 1024 \
-        [--baseline old_attention_triton.py] [--launches] [--json out.json]
+        [--baseline old_attention_triton.py] [--launches] [--chunks 64,128] [--json out.json]
 
 At the Qwen3-30B-A3B attention shape (32 query heads, 4 kv heads, head dim 128, bf16,
 paged cache of 16-token pages), one query per sequence at `--context` keys: runs
@@ -12,6 +12,8 @@ the K/V bytes read once at the copy bandwidth measured in the same run. Then pac
 (8 x `--context`, eager). `--baseline FILE`: also time another version of the module (e.g.
 `git show REV:src/samebits/kernels/attention_triton.py > old.py`) on its default path.
 `--launches`: also sweep (num_warps, num_stages) on each path (they must not change bits).
+`--chunks`: also time the default path with other chunk sizes (a chunk size is part of every
+row's bits, engine and trainer alike: the question is which size to build in).
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ from samebits.kernels.device_facts import sm_count
 H, KVH, D, PAGE = 32, 4, 128, 16
 DEFAULT_LAUNCH = (at.NUM_WARPS, at.NUM_STAGES)
 LAUNCHES = [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (2, 2)]
-PATHS = {  # name: (split, transposed)
-    "64 rows, one program": (False, False),
-    "64 rows, split": (True, False),
-    "16 rows transposed, one program": (False, True),
-    "16 rows transposed, split": (True, True),
+PATHS = {  # name: (split, transposed, merge_last)
+    "64 rows, one program": (False, False, None),
+    "64 rows, split": (True, False, False),
+    "64 rows, split, merged in the last program": (True, False, True),
+    "16 rows transposed, one program": (False, True, None),
+    "16 rows transposed, split": (True, True, False),
+    "16 rows transposed, split, merged in the last program": (True, True, True),
 }
 
 
@@ -70,29 +74,36 @@ def _graph_us(fn) -> float:
     return 1000 * triton.testing.do_bench_cudagraph(fn, rep=50)
 
 
-def decode_paths(batches, context, baseline, launches, bw) -> dict:
+def decode_paths(batches, context, baseline, launches, bw, chunks=()) -> dict:
     """{"B=b": each path's bits (same as the default?) and CUDA-graph us, at each batch}."""
-    return {f"B={b}": _decode_batch(b, context, baseline, launches, bw) for b in batches}
+    return {f"B={b}": _decode_batch(b, context, baseline, launches, bw, chunks) for b in batches}
 
 
-def _decode_batch(b, context, baseline, launches, bw) -> dict:
+def _decode_batch(b, context, baseline, launches, bw, chunks) -> dict:
     q, k, v, meta = _inputs(b, context)
     row = {"floor_us": 1e6 * 2 * b * context * KVH * D * 2 / bw}
     ref = at.attention(q, k, v, *meta, 1, D**-0.5, PAGE)
     path = plan(1, b, KVH, H // KVH, D, q.dtype, sm_count(q.device))
     row["default"] = f"split={path.split}, transposed={path.transposed}"
 
-    def call(split=None, tr=None):
-        return at.attention(q, k, v, *meta, 1, D**-0.5, PAGE, split=split, transposed=tr)
+    def call(split=None, tr=None, last=None, chunk=at.CHUNK):
+        return at.attention(
+            q, k, v, *meta, 1, D**-0.5, PAGE, split=split, transposed=tr, merge_last=last, chunk=chunk
+        )
 
-    for name, (split, tr) in PATHS.items():
+    for chunk in chunks:  # the default path with other chunk sizes: other bits, by design
+        row[f"default path, chunk {chunk} (other bits)"] = {
+            "same_bits": torch.equal(call(chunk=chunk), ref),
+            "us": _graph_us(lambda chunk=chunk: call(chunk=chunk)),
+        }
+    for name, (split, tr, last) in PATHS.items():
         for w, s in launches:
             at.NUM_WARPS, at.NUM_STAGES = w, s
             try:
-                same = torch.equal(call(split, tr), ref)
+                same = torch.equal(call(split, tr, last), ref)
                 row[f"{name}, {w} warps, {s} stages"] = {
                     "same_bits": same,
-                    "us": _graph_us(lambda split=split, tr=tr: call(split, tr)),
+                    "us": _graph_us(lambda split=split, tr=tr, last=last: call(split, tr, last)),
                 }
             except Exception as e:  # a launch that does not fit (shared memory): say so
                 row[f"{name}, {w} warps, {s} stages"] = {"error": f"{type(e).__name__}: {e}"[:200]}
@@ -107,18 +118,20 @@ def _decode_batch(b, context, baseline, launches, bw) -> dict:
     return row
 
 
-def prefill(nseq, context, baseline) -> dict:
+def prefill(nseq, context, baseline, chunks=()) -> dict:
     q, k, v, meta = _inputs(nseq, context, queries=context)
     flops = 4 * nseq * H * D * context * (context + 1) / 2  # QK^T and PV over the causal half
 
-    def run(mod):
-        return mod.attention(q, k, v, *meta, context, D**-0.5, PAGE)
+    def run(mod, **kw):
+        return mod.attention(q, k, v, *meta, context, D**-0.5, PAGE, **kw)
 
     res = {}
-    for name, mod in (("current", at), ("baseline", baseline)):
+    arms = [("current", at, {}), ("baseline", baseline, {})]
+    arms += [(f"chunk {c} (other bits)", at, {"chunk": c}) for c in chunks]
+    for name, mod, kw in arms:
         if mod is None:
             continue
-        us = 1000 * triton.testing.do_bench(lambda m=mod: run(m), warmup=10, rep=50)
+        us = 1000 * triton.testing.do_bench(lambda m=mod, kw=kw: run(m, **kw), warmup=10, rep=50)
         res[name] = {"us": us, "TFLOP/s": flops / us / 1e6}
     return res
 
@@ -135,17 +148,23 @@ def main() -> None:
     p.add_argument("--prefill-seqs", type=int, default=8)
     p.add_argument("--baseline", default=None, help="another attention_triton.py to time beside this one")
     p.add_argument("--launches", action="store_true", help="sweep (num_warps, num_stages) too")
+    p.add_argument(
+        "--chunks",
+        default="",
+        help="also time the default path with these chunk sizes (other bits), e.g. 64,128",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
     baseline = _load(args.baseline) if args.baseline else None
     bw = copy_bandwidth(torch.device("cuda"))
     launches = LAUNCHES if args.launches else [(at.NUM_WARPS, at.NUM_STAGES)]
     batches = [int(b) for b in args.batches.split(",")]
+    chunks = [int(c) for c in args.chunks.split(",") if c]
     res = {
         "gpu": torch.cuda.get_device_name(),
         "copy_bandwidth_GBps": bw / 1e9,
-        "decode": decode_paths(batches, args.context, baseline, launches, bw),
-        "prefill": prefill(args.prefill_seqs, args.context, baseline),
+        "decode": decode_paths(batches, args.context, baseline, launches, bw, chunks),
+        "prefill": prefill(args.prefill_seqs, args.context, baseline, chunks),
     }
     table = Table(
         title=f"decode attention at {args.context} keys, CUDA graph: same bits as the default? us (x floor)"

@@ -13,9 +13,10 @@ chunk after its last block and starting the next from fresh statistics (one loop
 than a loop per chunk, so the compiler pipelines the K/V loads across chunk edges: 13%
 faster at decode batch 256 and 8% in prefill on the H200, the same bits;
 docs/perf-notes.md), or (`split`, for calls with one tile per sequence and fewer programs
-than the SMs: small decode batches) one program per chunk stores its statistics and
-`combine_kernel` merges them in the same order with the same operations; every launch
-turns off FMA contraction, so both give the same bits. Chunks and blocks start at key 0
+than the SMs: small decode batches) one program per chunk stores its statistics and the
+last of a row's chunk programs to finish merges them (a ticket counter; `combine_kernel`
+in a second launch is the other way, `merge_last=False`) in the same order with the same
+operations; every launch turns off FMA contraction, so all give the same bits. Chunks and blocks start at key 0
 whatever the path, so a query row at position p always meets the same chunks and blocks
 with the same masks; a block or chunk wholly past p is an exact no-op for that row.
 
@@ -374,8 +375,10 @@ def combine_kernel(
 
 # A split call's chunks merged by the last chunk program of each (sequence, kv head) to finish
 # (a ticket counter) rather than by `combine_kernel` in a second launch: the same operations in
-# the same order. False until measured on the H200 (docs/perf-notes.md, thirteenth session).
-MERGE_LAST = False
+# the same order. H200, 1024 keys, CUDA graph (docs/perf-notes.md, thirteenth session): 13.0 us
+# against 16.4 at one sequence, 16.1 against 19.9 at 16, 34.5 against 37.5 at 32; batch-1
+# decode 4.40 ms a token against 4.61, the 48-layer probe 0 mismatches.
+MERGE_LAST = True
 _TICKETS: dict[str, torch.Tensor] = {}  # device -> int32 counters, all 0 between calls
 TICKETS = 1024  # counters per device: a split call has sequences x kv heads < the SMs
 
@@ -418,11 +421,12 @@ def attention(
     Query i of sequence b sits at position ctx_len[b] - q_len[b] + i. The K/V of
     this call's tokens must already be in the cache. Rows of T that belong to no
     sequence are left untouched in `out`. `split`: compute the chunks in parallel programs
-    and merge them in a second launch; `transposed`: tiles of BLOCK_Q rows with the keys on
-    the MMA's M. Both give the same bits; None leaves the choice to `attention_plan.plan`
-    (transposed for decode at the head layout where that was compared, split below the SM
-    count's programs). `block_n`, `chunk` and `l_by_mma` (False: row sums by `tl.sum`) exist
-    for experiments and negative controls: the engine and the trainer always use the defaults.
+    and merge them in the last of them to finish (or a second launch: `merge_last`);
+    `transposed`: tiles of BLOCK_Q rows with the keys on the MMA's M. Both give the same
+    bits; None leaves the choice to `attention_plan.plan` (transposed for decode at the head
+    layout where that was compared, split below the SM count's programs). `block_n`, `chunk`
+    and `l_by_mma` (False: row sums by `tl.sum`) exist for experiments and negative controls:
+    the engine and the trainer always use the defaults.
     `merge_last` (a split call): merge the chunks in the last chunk program to finish rather
     than in a second launch (`attention_kernel`'s MERGE_LAST; the same bits); None: `MERGE_LAST`.
     """
