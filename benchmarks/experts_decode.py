@@ -1,6 +1,7 @@
 """The MoE experts at decode sizes: which tiles fill the H200 when a batch routes few pairs? (CUDA)
 
     python benchmarks/experts_decode.py [--tokens 1,4,16,64,256] [--layers 8] [--json out.json]
+        [--configs "64,128,4,3,walk;32,64,4,4,grid"]
 
 At one decode token the experts read 8 experts' gate, up and down weights (37.7 MB at the
 Qwen3-30B-A3B shape: 128 experts, top-8, H 2048, I 768), 8.8 us at 4.3 TB/s; the eleventh
@@ -45,12 +46,25 @@ CONFIGS = [  # (BLOCK_M, BLOCK_N, warps, stages), rows in grid
 ]
 
 
+def _config(text: str) -> tuple[tuple[int, int, int, int], bool]:
+    *nums, rows = text.split(",")
+    if len(nums) != 4 or rows not in ("grid", "walk"):
+        raise SystemExit(f"--configs: want 'BM,BN,warps,stages,grid|walk', got {text!r}")
+    return tuple(int(n) for n in nums), rows == "grid"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="1,4,16,64,256")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--configs",
+        default=None,
+        help="tiles to time instead of the built-in list: 'BM,BN,warps,stages,grid|walk;...'",
+    )
     args = p.parse_args()
+    configs = CONFIGS if args.configs is None else [_config(c) for c in args.configs.split(";") if c]
     from samebits.bench.core import copy_bandwidth
 
     tokens = [int(x) for x in args.tokens.split(",")]
@@ -78,7 +92,7 @@ def main() -> None:
     for t in tokens:
         auto = (tiles_for(t * K), m_in_grid_for(t * K))
         print(f"  (T={t}: the table's choice is {auto})")
-    for tiles, in_grid in CONFIGS:
+    for tiles, in_grid in configs:
         label = f"{tiles} {'grid' if in_grid else '-'}"
         cells, row = [], {"tiles": tiles, "m_in_grid": in_grid}
         for t in tokens:
