@@ -30,7 +30,6 @@ from samebits.kernels.attention_plan import plan
 from samebits.kernels.device_facts import sm_count
 
 H, KVH, D, PAGE = 32, 4, 128, 16
-DEFAULT_LAUNCH = (at.NUM_WARPS, at.NUM_STAGES)
 LAUNCHES = [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (2, 2)]
 PATHS = {  # name: (split, transposed, merge_last)
     "64 rows, one program": (False, False, None),
@@ -86,10 +85,11 @@ def _decode_batch(b, context, baseline, launches, bw, chunks) -> dict:
     path = plan(1, b, KVH, H // KVH, D, q.dtype, sm_count(q.device))
     row["default"] = f"split={path.split}, transposed={path.transposed}"
 
-    def call(split=None, tr=None, last=None, chunk=at.CHUNK):
+    def call(split=None, tr=None, last=None, chunk=at.CHUNK, launch=None):
         return at.attention(
-            q, k, v, *meta, 1, D**-0.5, PAGE, split=split, transposed=tr, merge_last=last, chunk=chunk
-        )
+            q, k, v, *meta, 1, D**-0.5, PAGE, split=split, transposed=tr, merge_last=last, chunk=chunk,
+            launch=launch,
+        )  # fmt: skip
 
     for chunk in chunks:  # the default path with other chunk sizes: other bits, by design
         row[f"default path, chunk {chunk} (other bits)"] = {
@@ -97,18 +97,21 @@ def _decode_batch(b, context, baseline, launches, bw, chunks) -> dict:
             "us": _graph_us(lambda chunk=chunk: call(chunk=chunk)),
         }
     for name, (split, tr, last) in PATHS.items():
-        for w, s in launches:
-            at.NUM_WARPS, at.NUM_STAGES = w, s
+        for launch in launches:
+            p = plan(1, b, KVH, H // KVH, D, q.dtype, sm_count(q.device), split, tr)
+            warps, stages = launch or (p.warps, p.stages)
+            label = f"{name}, " + ("the plan's launch" if launch is None else f"{warps} warps, {stages} stages")
             try:
-                same = torch.equal(call(split, tr, last), ref)
-                row[f"{name}, {w} warps, {s} stages"] = {
+                same = torch.equal(call(split, tr, last, launch=launch), ref)
+                row[label] = {
+                    "launch": [warps, stages],
                     "same_bits": same,
-                    "us": _graph_us(lambda split=split, tr=tr, last=last: call(split, tr, last)),
+                    "us": _graph_us(
+                        lambda split=split, tr=tr, last=last, lc=launch: call(split, tr, last, launch=lc)
+                    ),
                 }
             except Exception as e:  # a launch that does not fit (shared memory): say so
-                row[f"{name}, {w} warps, {s} stages"] = {"error": f"{type(e).__name__}: {e}"[:200]}
-            finally:
-                at.NUM_WARPS, at.NUM_STAGES = DEFAULT_LAUNCH
+                row[label] = {"error": f"{type(e).__name__}: {e}"[:200]}
     if baseline is not None:
 
         def old():
@@ -157,7 +160,7 @@ def main() -> None:
     args = p.parse_args()
     baseline = _load(args.baseline) if args.baseline else None
     bw = copy_bandwidth(torch.device("cuda"))
-    launches = LAUNCHES if args.launches else [(at.NUM_WARPS, at.NUM_STAGES)]
+    launches = [None, *LAUNCHES] if args.launches else [None]
     batches = [int(b) for b in args.batches.split(",")]
     chunks = [int(c) for c in args.chunks.split(",") if c]
     res = {
@@ -180,7 +183,8 @@ def main() -> None:
             c = row[name]
             floor = row["floor_us"]
             same = "same" if c.get("same_bits") else "DIFF"
-            cells.append(c["error"] if "error" in c else f"{same} {c['us']:.1f} ({c['us'] / floor:.2f}x)")
+            lc = f" {tuple(c['launch'])}" if "the plan's" in name and "launch" in c else ""
+            cells.append(c["error"] if "error" in c else f"{same} {c['us']:.1f} ({c['us'] / floor:.2f}x){lc}")
         table.add_row(name, *cells)
     console = Console(width=200)
     console.print(table)

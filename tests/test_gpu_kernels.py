@@ -179,7 +179,8 @@ def test_split_merged_in_the_last_program_keeps_its_bits_across_calls_and_graph_
 
 def test_transposed_tiles_give_the_bits_of_normal_tiles():
     """Decode in transposed 16-row tiles (keys on the MMA's M) equals the 64-row tiles of
-    prefill and the trainer, row for row, at 512 positions of sequences up to 1100 keys.
+    prefill and the trainer, row for row, at 512 positions of sequences up to 1100 keys, at
+    each (warps, stages) `attention_plan.plan` launches.
     Control: with the row sum of p taken by `tl.sum` (its order follows each orientation's
     register layout) instead of an MMA against ones, some rows differ."""
     from samebits.kernels.attention_triton import attention
@@ -196,6 +197,14 @@ def test_transposed_tiles_give_the_bits_of_normal_tiles():
         table.expand(rows, -1).contiguous(), torch.arange(rows, **i32), torch.ones(rows, **i32),
         (pos + 1).to(torch.int32),
     )  # fmt: skip
+    from samebits.kernels.attention_plan import DECODE_LAUNCH, DECODE_LAUNCH_MANY, LAUNCH
+
+    for launch in (DECODE_LAUNCH, DECODE_LAUNCH_MANY, LAUNCH):  # the plan's launches: the same bits
+        out = attention(
+            q[pos].contiguous(), kc, vc, *meta, 1, scale, 16, split=False, transposed=True, launch=launch
+        )
+        want = attention(q, kc, vc, table, *_int(0, s, s), s, scale, 16)  # the trainer's path and launch
+        assert torch.equal(out, want[pos]), launch
     for l_by_mma in (True, False):
         packed = attention(q, kc, vc, table, *_int(0, s, s), s, scale, 16, l_by_mma=l_by_mma)
         out = attention(

@@ -25,12 +25,27 @@ TRANSPOSED_SHAPE = {"group": 8, "head_dim": 128, "dtype": torch.bfloat16}  # whe
 _COMPARED = tuple(TRANSPOSED_SHAPE.values())
 
 
+# (num_warps, num_stages) of a launch. Neither changes a row's bits at the compared layout (the
+# MMA's internal order is per instruction; `test_gpu_kernels.py` compares the transposed
+# decode tiles at each against the 64-row tiles). H200, 1024 keys, CUDA graph, us
+# (docs/perf-notes.md, thirteenth session): transposed one-program decode at 64 sequences
+# (4, 2) 50.3, (4, 3) 52.4, (2, 2) 56.3; at 256 sequences (2, 2) 139.9, (4, 2) 160.0, (4, 3)
+# 163.2 against a 125 us floor: two warps let more programs share an SM once there are several
+# a SM to hide each other's loads.
+LAUNCH = (4, 3)  # 64-row tiles (prefill, the trainer) and split decode
+DECODE_LAUNCH = (4, 2)  # transposed, one program per sequence and kv head
+DECODE_LAUNCH_MANY = (2, 2)  # the same from MANY_PROGRAMS_PER_SM programs a SM
+MANY_PROGRAMS_PER_SM = 4
+
+
 @dataclass(frozen=True)
 class Plan:
     transposed: bool
     split: bool
     rows: int  # (token, head) rows of a tile
     tokens_per_tile: int
+    warps: int = LAUNCH[0]
+    stages: int = LAUNCH[1]
 
 
 def _pow2(n: int) -> int:
@@ -68,8 +83,9 @@ def plan(
     one tile and the call has fewer programs (sequences x kv heads) than `sms`. Measured on the
     H200 in a CUDA graph at 4 kv heads and 1024 keys (docs/perf-notes.md, ninth session): the
     split wins up to 32 sequences in either orientation (transposed 37.1 vs 44.3 us, 64 rows
-    41.0 vs 47.6) and loses from 64 (56.8 vs 52.1, 70.2 vs 55.8). A forced choice the call
-    cannot take raises ValueError."""
+    41.0 vs 47.6) and loses from 64 (56.8 vs 52.1, 70.2 vs 55.8). The launch (warps, stages):
+    `LAUNCH`, or for transposed tiles in one program `DECODE_LAUNCH` / `DECODE_LAUNCH_MANY`
+    (above). A forced choice the call cannot take raises ValueError."""
     fits = max_q_len * _pow2(group) <= BLOCK_Q and _COMPARED == (group, head_dim, dtype)  # no strings: hot path
     if transposed is None:
         transposed = fits
@@ -83,4 +99,7 @@ def plan(
         split = one_tile and batch * kv_heads < sms
     elif split and not one_tile:
         raise ValueError(f"attention: split needs at most {tokens} queries per sequence, got {max_q_len}")
-    return Plan(transposed, split, rows, tokens)
+    launch = LAUNCH
+    if transposed and not split:
+        launch = DECODE_LAUNCH_MANY if batch * kv_heads >= MANY_PROGRAMS_PER_SM * sms else DECODE_LAUNCH
+    return Plan(transposed, split, rows, tokens, *launch)

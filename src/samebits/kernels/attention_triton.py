@@ -52,7 +52,8 @@ from samebits.kernels.attention_plan import BLOCK_M, plan
 from samebits.kernels.device_facts import sm_count
 from samebits.kernels.launch import fast_launch
 
-BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 4, 3  # stages: measured (3 and 4 tie; 2 is 13% slower)
+BLOCK_N = 64
+NUM_WARPS = 4  # combine_kernel's; attention_kernel's launch is `attention_plan.plan`'s
 # Keys per chunk. Every path splits a row's keys into chunks [0, CHUNK), [CHUNK, 2 CHUNK), ...;
 # each chunk's online softmax starts afresh and the chunks merge in order, either in the same
 # program (prefill, the trainer, big decode batches) or in parallel programs plus a merging
@@ -415,6 +416,7 @@ def attention(
     transposed: bool | None = None,
     l_by_mma: bool = True,
     merge_last: bool | None = None,
+    launch: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query over its own sequence's keys 0..p -> [T, H, D].
 
@@ -429,6 +431,8 @@ def attention(
     the engine and the trainer always use the defaults.
     `merge_last` (a split call): merge the chunks in the last chunk program to finish rather
     than in a second launch (`attention_kernel`'s MERGE_LAST; the same bits); None: `MERGE_LAST`.
+    `launch`: (num_warps, num_stages) instead of the plan's (experiments; the same bits at the
+    compared layout).
     """
     check_attention_inputs(q, k_cache, v_cache)
     t, h, d = q.shape
@@ -447,6 +451,7 @@ def attention(
     block_d = max(16, triton.next_power_of_2(d))
     path = plan(max_q_len, b, kvh, g, d, q.dtype, sm_count(q.device), split, transposed)
     split, transposed, rows, tokens_per_tile = path.split, path.transposed, path.rows, path.tokens_per_tile
+    warps, stages = launch or (path.warps, path.stages)
     chunks = triton.cdiv(block_table.shape[1] * page_size, chunk)  # a bound on any sequence's chunks
     merge_last = split and (MERGE_LAST if merge_last is None else merge_last)
     if split:
@@ -465,7 +470,7 @@ def attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), block_table.stride(0),
         ROWS=rows, BLOCK_N=block_n, SPLIT=split, TRANSPOSED=transposed, L_MMA=l_by_mma, MERGE_LAST=merge_last,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, enable_fp_fusion=False, **shape,
+        num_warps=warps, num_stages=stages, enable_fp_fusion=False, **shape,
     )  # fmt: skip
     if split and not merge_last:
         combine_kernel[(b, kvh)](
