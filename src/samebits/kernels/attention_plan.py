@@ -31,9 +31,11 @@ _COMPARED = tuple(TRANSPOSED_SHAPE.values())
 # (docs/perf-notes.md, thirteenth session): transposed one-program decode at 64 sequences
 # (4, 2) 50.3, (4, 3) 52.4, (2, 2) 56.3; at 256 sequences (2, 2) 139.9, (4, 2) 160.0, (4, 3)
 # 163.2 against a 125 us floor: two warps let more programs share an SM once there are several
-# a SM to hide each other's loads.
+# a SM to hide each other's loads. Below that the launch stays (4, 3): (4, 2) was faster alone
+# but the one end-to-end run with it gave batch 64 19.35 ms a token against 19.11 with (4, 3),
+# within a lease's spread and not yet separated.
 LAUNCH = (4, 3)  # 64-row tiles (prefill, the trainer) and split decode
-DECODE_LAUNCH = (4, 2)  # transposed, one program per sequence and kv head
+DECODE_LAUNCH = (4, 3)  # transposed, one program per sequence and kv head
 DECODE_LAUNCH_MANY = (2, 2)  # the same from MANY_PROGRAMS_PER_SM programs a SM
 MANY_PROGRAMS_PER_SM = 4
 
