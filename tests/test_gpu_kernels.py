@@ -81,10 +81,10 @@ def test_triton_attention_same_bits_packed_chunked_and_decode(h, kvh, d):
 
 @pytest.mark.parametrize("h,kvh,d", [(32, 4, 128), (6, 2, 24)])
 def test_split_keys_give_the_bits_of_one_program_per_tile(h, kvh, d):
-    """Decode batches whose keys are split into parallel programs (merged by a second launch)
-    give the bits of the one-program path and of the trainer's packed rows, at positions on
-    both sides of every chunk edge, one query per sequence and several. Control: another chunk
-    size changes rows past its first chunk and none before it."""
+    """Decode batches whose keys are split into parallel programs (merged by a second launch or
+    by the last of them to finish) give the bits of the one-program path and of the trainer's
+    packed rows, at positions on both sides of every chunk edge, one query per sequence and
+    several. Control: another chunk size changes rows past its first chunk and none before it."""
     from samebits.kernels.attention_triton import CHUNK, attention
 
     lens = [1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 7, 1000]
@@ -103,6 +103,8 @@ def test_split_keys_give_the_bits_of_one_program_per_tile(h, kvh, d):
     qs = torch.stack([q[n - 1] for n in lens])
     for split, transposed in _decode_paths(h, kvh, d):
         for merge_last in (False, True) if split else (None,):  # the combine launch, the last program
+            if merge_last:  # other partials in the buffers the allocator hands out again
+                attention(-qs, kc, vc, tables, starts, ones, lens_t, 1, scale, 16, split=True, merge_last=False)
             out = attention(
                 qs, kc, vc, tables, starts, ones, lens_t, 1, scale, 16, split=split, transposed=transposed,
                 merge_last=merge_last,
@@ -139,44 +141,54 @@ def test_split_merged_in_the_last_program_keeps_its_bits_across_calls_and_graph_
     """A split call merged by its last chunk program (`merge_last`: a ticket counter per
     sequence and kv head, put back to 0 by the merging program) gives the combine launch's bits
     at the real layout, eagerly and in a CUDA graph replayed several times, and leaves every
-    ticket at 0. Control: a stale ticket count (4 where a sequence has 4 chunks) and no program
-    of that sequence and kv head merges: its rows stay as they were, the others' do not. (A
-    count one short is no reliable control: the early merger may read the previous call's
-    partials, the same values, from buffers the allocator hands out again.)"""
+    ticket at 0. Two inputs alternate, so each call's partial buffers (handed out again by the
+    allocator, or the graph's own) hold the other input's partials: a merge that read a chunk
+    before its program had stored it would read the wrong values. Control: a stale ticket
+    count (4 where a sequence has 4 chunks), and no program of that sequence and kv head
+    merges: its rows stay as they were, the other kv heads' and sequences' keep their bits.
+    (A count one short is no reliable control: whether the early merger finds the last chunk
+    stored is a race.)"""
     from samebits.kernels import attention_triton as at
 
     h, kvh, d = 32, 4, 128
     lens = [1, 255, 256, 257, 1000, 777, 513, 1100]
     s = max(lens)
-    q = torch.randn(len(lens), h, d, device="cuda", generator=_g(50)).bfloat16()
-    k = torch.randn(s, kvh, d, device="cuda", generator=_g(51)).bfloat16()
-    v = torch.randn(s, kvh, d, device="cuda", generator=_g(52)).bfloat16()
-    kc, vc, table = _paged(k, v, 16, seed=53)
+    qs = [torch.randn(len(lens), h, d, device="cuda", generator=_g(50 + i)).bfloat16() for i in range(2)]
+    k = torch.randn(s, kvh, d, device="cuda", generator=_g(52)).bfloat16()
+    v = torch.randn(s, kvh, d, device="cuda", generator=_g(53)).bfloat16()
+    kc, vc, table = _paged(k, v, 16, seed=54)
     i32 = dict(dtype=torch.int32, device="cuda")
     meta = (
         table.expand(len(lens), -1).contiguous(), torch.arange(len(lens), **i32),
         torch.ones(len(lens), **i32), torch.tensor(lens, **i32),
     )  # fmt: skip
-    args = (q, kc, vc, *meta, 1, d**-0.5, 16)
-    want = at.attention(*args, split=True, merge_last=False)
-    out = torch.zeros_like(q)
-    at.attention(*args, split=True, merge_last=True, out=out)
-    tickets = at._tickets(q.device, len(lens) * kvh)
-    assert torch.equal(out, want) and not tickets.any()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        at.attention(*args, split=True, merge_last=True, out=out)
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want) and not tickets.any()
-    tickets[4 * kvh + 2] = 4  # sequence 4 (1000 keys: 4 chunks), kv head 2: its tickets run 4..7
-    stale = at.attention(*args, split=True, merge_last=True, out=torch.zeros_like(q))
-    tickets.zero_()
+    rest = (kc, vc, *meta, 1, d**-0.5, 16)
+    want = [at.attention(q, *rest, split=True, merge_last=False) for q in qs]
+    assert not torch.equal(want[0], want[1])
+    out = torch.zeros_like(qs[0])
+    tickets = at._tickets(qs[0].device, len(lens) * kvh)
+    try:
+        for i in (0, 1, 0, 1):
+            at.attention(qs[i], *rest, split=True, merge_last=True, out=out)
+            assert torch.equal(out, want[i]) and not tickets.any(), i
+        q = qs[0].clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            at.attention(q, *rest, split=True, merge_last=True, out=out)
+        for i in (1, 0, 1, 0, 1, 0):
+            q.copy_(qs[i])
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want[i]) and not tickets.any(), i
+        tickets[4 * kvh + 2] = 4  # sequence 4 (1000 keys: 4 chunks), kv head 2: its tickets run 4..7
+        stale = at.attention(qs[0], *rest, split=True, merge_last=True, out=torch.zeros_like(q))
+    finally:
+        tickets.zero_()
     heads = slice(2 * h // kvh, 3 * h // kvh)
     assert not stale[4, heads].any()  # no program drew the last ticket: the rows were never merged
-    assert torch.equal(stale[:4], want[:4]) and torch.equal(stale[5:], want[5:])
+    assert torch.equal(stale[4, : 2 * h // kvh], want[0][4, : 2 * h // kvh])
+    assert torch.equal(stale[:4], want[0][:4]) and torch.equal(stale[5:], want[0][5:])
 
 
 def test_transposed_tiles_give_the_bits_of_normal_tiles():
@@ -621,3 +633,48 @@ def test_engine_with_slots_summed_in_the_next_norm_gives_the_same_bits(tmp_path,
     monkeypatch.setattr(norm_rope_triton, "slot_add_rms_norm", one_rounding)
     other = run()
     assert any(not torch.equal(a.logprobs, b.logprobs) for a, b in zip(base, other, strict=True))
+
+
+def test_engine_with_programmatic_dependent_launch_gives_the_same_bits(tmp_path, monkeypatch):
+    """The engine on CUDA with PDL between its decode kernels (`kernels/pdl.py`: each kernel
+    may be scheduled while the one before finishes, and waits for it before touching memory)
+    samples the tokens and log-probs it samples without, CUDA graphs on; PDL launches ran.
+    (No negative control: a kernel that skipped its wait would race, with no reproducible
+    outcome; the bits are the kernels' own, which the other engine tests pin.)"""
+    from samebits import LLM, SamplingParams
+    from samebits.kernels import pdl
+    from samebits.model.tiny import build_tiny_checkpoint
+    from samebits.verify import make_prompts
+
+    if not pdl.supported(torch.device("cuda")):
+        pytest.skip("PDL needs compute capability 9.0 or later")
+    path = build_tiny_checkpoint(tmp_path / "t", seed=3)
+    prompts = make_prompts((5, 9, 17, 3, 11), 384, seed=2)
+    params = SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, seed=5)
+
+    def run():
+        return LLM(path, device="cuda", max_num_seqs=8, max_model_len=96).generate(prompts, params)
+
+    base = run()
+    launches = []
+    real = pdl.launch_args
+    monkeypatch.setattr(pdl, "ENABLED", True)
+
+    def counted(device):
+        args = real(device)
+        launches.extend([1] if args else [])
+        return args
+
+    monkeypatch.setattr(pdl, "launch_args", counted)
+    for module in (
+        "matmul_triton",
+        "norm_rope_triton",
+        "attention_triton",
+        "experts_triton",
+        "router_one_launch",
+    ):
+        monkeypatch.setattr(f"samebits.kernels.{module}.launch_args", pdl.launch_args)
+    with_pdl = run()
+    assert launches, "no kernel launched with PDL"
+    for a, b in zip(base, with_pdl, strict=True):
+        assert a.token_ids == b.token_ids and torch.equal(a.logprobs, b.logprobs)

@@ -3,8 +3,9 @@
 `attention_triton.attention` runs one of four paths, all with the same bits for a row:
 tiles of BLOCK_M (token, head) rows or transposed tiles of BLOCK_Q rows (keys on the MMA's
 M), and a row's 256-key chunks in one program or split over parallel programs merged by the
-last of them to finish (transposed tiles) or by a second launch (64-row tiles). `plan` picks one from the call's shape; the kernel module and the benchmark
-both ask it, and the CPU tests check it.
+last of them to finish (transposed tiles) or by a second launch (64-row tiles). `plan` picks
+one from the call's shape; the kernel module and the benchmark both ask it, and the CPU tests
+check it.
 
 Transposed tiles give the 64-row tiles' bits because every product element, the row sums of
 p included, is one tensor-core dot product wherever it sits in the tile. That was compared on
@@ -25,9 +26,10 @@ TRANSPOSED_SHAPE = {"group": 8, "head_dim": 128, "dtype": torch.bfloat16}  # whe
 _COMPARED = tuple(TRANSPOSED_SHAPE.values())
 
 
-# (num_warps, num_stages) of a launch. Neither changes a row's bits at the compared layout (the
-# MMA's internal order is per instruction; `test_gpu_kernels.py` compares the transposed
-# decode tiles at each against the 64-row tiles). H200, 1024 keys, CUDA graph, us
+# (num_warps, num_stages) of a launch. Neither changed a row's bits at the compared layout on
+# the H200 (with 2 warps Triton likely issues mma.sync rather than wgmma: an empirical fact,
+# which `test_gpu_kernels.py` guards by comparing the transposed decode tiles at each launch
+# against the trainer's 64-row tiles). H200, 1024 keys, CUDA graph, us
 # (docs/perf-notes.md, thirteenth session): transposed one-program decode at 64 sequences
 # (4, 2) 50.3, (4, 3) 52.4, (2, 2) 56.3; at 256 sequences (2, 2) 139.9, (4, 2) 160.0, (4, 3)
 # 163.2 against a 125 us floor: two warps let more programs share an SM once there are several

@@ -14,8 +14,8 @@ than a loop per chunk, so the compiler pipelines the K/V loads across chunk edge
 faster at decode batch 256 and 8% in prefill on the H200, the same bits;
 docs/perf-notes.md), or (`split`, for calls with one tile per sequence and fewer programs
 than the SMs: small decode batches) one program per chunk stores its statistics and the
-last of a row's chunk programs to finish merges them (a ticket counter; `combine_kernel`
-in a second launch is the other way, `merge_last=False`) in the same order with the same
+last of a row's chunk programs to finish merges them (a ticket counter; in 64-row tiles, or
+with `merge_last=False`, `combine_kernel` in a second launch) in the same order with the same
 operations; every launch turns off FMA contraction, so all give the same bits. Chunks and blocks start at key 0
 whatever the path, so a query row at position p always meets the same chunks and blocks
 with the same masks; a block or chunk wholly past p is an exact no-op for that row.
@@ -51,13 +51,15 @@ import triton.language as tl
 from samebits.kernels.attention_plan import BLOCK_M, plan
 from samebits.kernels.device_facts import sm_count
 from samebits.kernels.launch import fast_launch
+from samebits.kernels.pdl import launch_args, pdl_release, pdl_wait
 
 BLOCK_N = 64
 NUM_WARPS = 4  # combine_kernel's; attention_kernel's launch is `attention_plan.plan`'s
 # Keys per chunk. Every path splits a row's keys into chunks [0, CHUNK), [CHUNK, 2 CHUNK), ...;
 # each chunk's online softmax starts afresh and the chunks merge in order, either in the same
-# program (prefill, the trainer, big decode batches) or in parallel programs plus a merging
-# launch (small decode batches): the same operations, so the same bits.
+# program (prefill, the trainer, big decode batches) or in parallel programs merged by the last
+# of them to finish or by a second launch (small decode batches): the same operations, so the
+# same bits.
 CHUNK = 256
 # The row sums of p are taken by an MMA against a block of ones; its other dimension (the
 # ones' columns, or rows when transposed) is the smallest the MMA takes in that position.
@@ -270,7 +272,7 @@ def attention_kernel(
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr,
-    TRANSPOSED: tl.constexpr, L_MMA: tl.constexpr, MERGE_LAST: tl.constexpr = False,
+    TRANSPOSED: tl.constexpr, L_MMA: tl.constexpr, MERGE_LAST: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Whole (SPLIT False): program (sequence, tile, kv head) walks the chunks of its keys in
     order, merging each. Split: program (sequence, chunk, kv head) of a one-tile call computes
@@ -279,6 +281,7 @@ def attention_kernel(
     program that draws the last one merges the chunks as `combine_kernel` does (`_merge_chunks`)
     and puts the ticket back to 0 for the next call. A tile is ROWS (query token, head) rows:
     BLOCK_M in the normal orientation, BLOCK_Q transposed (`_attend_block`)."""
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(2)
     tile = 0 if SPLIT else tl.program_id(1)
@@ -303,17 +306,19 @@ def attention_kernel(
             scale, page_size, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
             D, ROWS, BLOCK_D, BLOCK_N, TRANSPOSED, L_MMA,
         )  # fmt: skip
+        pdl_release(PDL)
         at = ((q_start + tok).to(tl.int64) * chunks + tl.program_id(1)) * (G * tl.num_programs(2)) + head
         tl.store(part_m_ptr + at, m_c, mask=valid)
         tl.store(part_l_ptr + at, l_c, mask=valid)
         tl.store(part_acc_ptr + _row_offsets(at * D, d, TRANSPOSED), acc_c, mask=row_mask)
         if MERGE_LAST:
-            # every thread's stores before the ticket (the release); the last ticket's program
-            # then sees every chunk's (the acquire; its loads bypass L1, which may hold an
-            # earlier call's lines of these buffers)
+            # every thread's stores before the ticket (the barrier, then the release: Triton 3.6
+            # puts no barrier before a scalar atomic itself); the last ticket's program then
+            # sees every chunk's (the acquire; `.cg` on its loads as well, past L1). The count is
+            # clamped to the grid's chunks, so no call can leave a counter short of its reset.
             tl.debug_barrier()
             ticket = ticket_ptr + b * tl.num_programs(2) + kvh
-            n_chunks = tl.cdiv(hi, CHUNK)
+            n_chunks = tl.minimum(tl.cdiv(hi, CHUNK), chunks)
             if tl.atomic_add(ticket, 1, sem="acq_rel") == n_chunks - 1:
                 tl.atomic_xchg(ticket, 0, sem="relaxed")
                 m, l_run, acc = _merge_chunks(
@@ -337,6 +342,7 @@ def attention_kernel(
             if ((start + BLOCK_N) % CHUNK == 0) | (start + BLOCK_N >= hi):  # the chunk's last block
                 m, l_run, acc = _merge(m, l_run, acc, m_c, l_c, acc_c, TRANSPOSED)
                 m_c, l_c, acc_c = _fresh(ROWS, BLOCK_D, TRANSPOSED)
+        pdl_release(PDL)
         tl.store(
             o_ptr + _row_offsets((q_start + tok) * stride_ot + head * stride_oh, d, TRANSPOSED),
             (acc / _per_row(l_run, TRANSPOSED)).to(o_ptr.dtype.element_ty),
@@ -350,11 +356,12 @@ def combine_kernel(
     o_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, chunks,
     stride_ot, stride_oh,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Program (sequence, kv head) of a split call: the chunks' statistics merged in order,
     as the whole kernel merges them, then the output rows (elementwise: the orientation the
     chunks ran in does not matter here)."""
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     q_len, q_start, tok, head, valid, pos, hi = _tile_rows(
@@ -367,6 +374,7 @@ def combine_kernel(
         part_m_ptr, part_l_ptr, part_acc_ptr, q_start + tok, head, valid, d, _row_mask(valid, d, D, False),
         chunks, tl.cdiv(hi, CHUNK), G * tl.num_programs(1), D, BLOCK_M, BLOCK_D, False, "",
     )  # fmt: skip
+    pdl_release(PDL)
     tl.store(
         o_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
         (acc / l_run[:, None]).to(o_ptr.dtype.element_ty),
@@ -383,7 +391,7 @@ def combine_kernel(
 # partials lost (19.5 against 17.9 us at one sequence, 49.6 against 41.5 at 32): there the
 # default keeps the combine launch.
 MERGE_LAST = True
-_TICKETS: dict[str, torch.Tensor] = {}  # device -> int32 counters, all 0 between calls
+_TICKETS: dict[int, torch.Tensor] = {}  # CUDA device index (-1: the interpreter's CPU) -> counters
 TICKETS = 1024  # counters per device: a split call has sequences x kv heads < the SMs
 
 
@@ -391,14 +399,24 @@ def _tickets(device: torch.device, n: int) -> torch.Tensor:
     """The MERGE_LAST counters of `device`: zeros, put back to zero by every call that used
     them (by the last program of each sequence and kv head), so one allocation serves every
     later call, CUDA graph replays included (the engine runs each size eagerly before it
-    captures it, so the allocation is not captured). Split calls on one device must not run at
-    once on two streams: the engine's decode runs on one."""
+    captures it, so the allocation is not captured; a first split call inside a capture is
+    refused, since the zeros would only be written on replay). Split calls on one device must
+    not run at once on two streams: the engine's decode runs on one."""
     if n > TICKETS:
         raise ValueError(f"attention: a split call of {n} (sequence, kv head) pairs exceeds {TICKETS} tickets")
-    key = str(device)
-    if key not in _TICKETS:
-        _TICKETS[key] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
-    return _TICKETS[key]
+    if device.type != "cuda":
+        key = -1  # Triton's CPU interpreter
+    else:
+        key = device.index if device.index is not None else torch.cuda.current_device()
+    buf = _TICKETS.get(key)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "attention: the first split decode call on this device is inside a CUDA graph capture; "
+                "run one call eagerly first (the engine warms each size up before capturing it)"
+            )
+        buf = _TICKETS[key] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
+    return buf
 
 
 def attention(
@@ -474,12 +492,12 @@ def attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), block_table.stride(0),
         ROWS=rows, BLOCK_N=block_n, SPLIT=split, TRANSPOSED=transposed, L_MMA=l_by_mma, MERGE_LAST=merge_last,
-        num_warps=warps, num_stages=stages, enable_fp_fusion=False, **shape,
+        num_warps=warps, num_stages=stages, enable_fp_fusion=False, **shape, **launch_args(q.device),
     )  # fmt: skip
     if split and not merge_last:
         combine_kernel[(b, kvh)](
             out, q_start, q_len, ctx_len, part_m, part_l, part_acc, chunks, out.stride(0), out.stride(1),
-            BLOCK_M=BLOCK_M, num_warps=NUM_WARPS, enable_fp_fusion=False, **shape,
+            BLOCK_M=BLOCK_M, num_warps=NUM_WARPS, enable_fp_fusion=False, **shape, **launch_args(q.device),
         )  # fmt: skip
     return out
 

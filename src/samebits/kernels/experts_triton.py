@@ -40,6 +40,7 @@ from samebits.kernels.device_facts import shared_memory_per_block
 from samebits.kernels.experts import route
 from samebits.kernels.experts_tiles import BLOCK_K, DECODE_TILES, m_in_grid_for, slot_tree_fits, tiles_for
 from samebits.kernels.launch import fast_launch
+from samebits.kernels.pdl import launch_args, pdl_release, pdl_wait
 from samebits.kernels.reduce import tree_sum_ref
 
 BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = DECODE_TILES  # the decode entry of the tile table
@@ -55,12 +56,13 @@ ROUTE_PAIRS = 64  # most pairs a `route_kernel` program places ([pairs, E] one-h
 @triton.jit
 def route_kernel(
     index_ptr, order_ptr, offsets_ptr, n,
-    N_PAD: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, PAIRS: tl.constexpr,
+    N_PAD: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """`experts.route`, counted rather than sorted: program p places pairs [p PAIRS, (p + 1)
     PAIRS). Pair i of expert e goes to (pairs of experts < e) + (pairs of expert e before i),
     which is where a stable sort by expert puts it. Each program histograms all n pairs (n
     <= MAX_ROUTED, one load) for those counts; program 0 also writes the offsets."""
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     first = pid * PAIRS
     pairs = tl.arange(0, N_PAD)
@@ -75,6 +77,7 @@ def route_kernel(
     bins = tl.arange(0, E_PAD)
     onehot = ((e_mine[:, None] == bins[None, :]) & in_chunk[:, None]).to(tl.int32)  # [PAIRS, E_PAD]
     rank = tl.cumsum(onehot, 0) - onehot  # the chunk's earlier pairs of the same expert
+    pdl_release(PDL)
     tl.store(order_ptr + tl.sum(onehot * (base[None, :] + rank), 1), mine, mask=in_chunk)
     if pid == 0:
         tl.store(offsets_ptr + 1 + bins, ends, mask=bins < E)
@@ -165,7 +168,9 @@ def gate_up_kernel(
     M_IN_GRID: tl.constexpr = False,
     E: tl.constexpr = 1,
     E_PAD: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     e, m_lo, m_hi, end = _m_range(offsets_ptr, tl.program_id(0), BLOCK_M, M_IN_GRID, E, E_PAD)
     kk = tl.arange(0, BLOCK_K)
@@ -184,6 +189,7 @@ def gate_up_kernel(
             w_mask = k_ok[:, None] & (cols[None, :] < INTER)
             acc_gate = tl.dot(x, tl.load(w_gate + k0, mask=w_mask, other=0.0), acc_gate)
             acc_up = tl.dot(x, tl.load(w_up + k0, mask=w_mask, other=0.0), acc_up)
+        pdl_release(PDL)  # after each row block's K loop (a repeat is a no-op)
         gate = acc_gate.to(h_ptr.dtype.element_ty).to(tl.float32)
         up = acc_up.to(h_ptr.dtype.element_ty).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(h_ptr.dtype.element_ty).to(tl.float32)  # silu
@@ -216,7 +222,9 @@ def down_kernel(
     M_IN_GRID: tl.constexpr = False,
     E: tl.constexpr = 1,
     E_PAD: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     e, m_lo, m_hi, end = _m_range(offsets_ptr, tl.program_id(0), BLOCK_M, M_IN_GRID, E, E_PAD)
     kk = tl.arange(0, BLOCK_K)
@@ -231,6 +239,7 @@ def down_kernel(
             a = tl.load(h_rows + k0, mask=in_rows[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_tile + k0, mask=k_ok[:, None] & (cols[None, :] < H), other=0.0)
             acc = tl.dot(a, w, acc)
+        pdl_release(PDL)  # after each row block's K loop (a repeat is a no-op)
         slot = tl.load(order_ptr + rows, mask=in_rows, other=0)
         weight = tl.load(weights_ptr + slot, mask=in_rows, other=0.0).to(tl.float32)
         tl.store(
@@ -297,6 +306,7 @@ def experts_forward(
         num_warps=warps,
         num_stages=stages,
         **grid_m,
+        **launch_args(hidden_states.device),
     )
     per_slot = torch.empty(t * k, h, dtype=torch.float32, device=hidden_states.device)
     down_kernel[(rows_axis, triton.cdiv(h, block_n))](
@@ -318,6 +328,7 @@ def experts_forward(
         num_warps=warps,
         num_stages=stages,
         **grid_m,
+        **launch_args(hidden_states.device),
     )
     per_slot = per_slot.view(t, k, h)
     return per_slot if not sum_slots else slot_sum(per_slot, hidden_states.dtype)
@@ -369,6 +380,7 @@ def _route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
     route_kernel[(triton.cdiv(n, pairs),)](
         flat, order, offsets, n,
         N_PAD=n_pad, E=num_experts, E_PAD=triton.next_power_of_2(num_experts), PAIRS=pairs, num_warps=4,
+        **launch_args(flat.device),
     )  # fmt: skip
     return order, offsets
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from samebits.kernels.launch import fast_launch
+from samebits.kernels.pdl import launch_args, pdl_release, pdl_wait
 
 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M = 64, 128, 64, 8
 NUM_WARPS, NUM_STAGES = 4, 4
@@ -54,7 +55,9 @@ def matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -79,6 +82,7 @@ def matmul_kernel(
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    pdl_release(PDL)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         acc += bias[None, :]
@@ -139,6 +143,7 @@ def matmul(
         GROUP_M=GROUP_M,
         num_warps=warps,
         num_stages=stages,
+        **launch_args(a.device),
     )
     return c
 

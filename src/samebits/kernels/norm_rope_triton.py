@@ -27,6 +27,7 @@ import triton.language as tl
 from samebits.kernels.experts_tiles import slot_tree_fits
 from samebits.kernels.experts_triton import _slot_tree_sum
 from samebits.kernels.launch import fast_launch
+from samebits.kernels.pdl import launch_args, pdl_release, pdl_wait
 from samebits.kernels.reduce_triton import tree_sum_block
 
 
@@ -48,10 +49,12 @@ def rms_norm_kernel(
     HAS_RES: tl.constexpr,
     BLOCK: tl.constexpr,
     SLOTS: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """One row: RMSNorm of x, or of `residual + x` (HAS_RES; the sum stored too). SLOTS = K > 0:
     x is the MoE experts' weighted slot outputs [T, K, n] fp32, summed over K as `slot_sum_kernel`
     sums them and rounded to the residual's dtype first (the experts' output, never stored)."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -68,6 +71,7 @@ def rms_norm_kernel(
     h = h * tl.math.rsqrt(variance + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     y = (w.to(tl.float32) * h.to(x.dtype).to(tl.float32)).to(out_ptr.dtype.element_ty)
+    pdl_release(PDL)
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
 
@@ -95,7 +99,7 @@ def slot_add_rms_norm(slots: torch.Tensor, residual: torch.Tensor, weight: torch
             slots, r2, weight, out, summed, h, float(np.float32(1.0) / np.float32(h)), eps,
             k * h, r2.stride(0), out.stride(0), summed.stride(0),
             HAS_RES=True, BLOCK=block, SLOTS=k,
-            num_warps=8 if block >= 1024 else 2, enable_fp_fusion=False,
+            num_warps=8 if block >= 1024 else 2, enable_fp_fusion=False, **launch_args(residual.device),
         )  # fmt: skip
     return summed, out
 
@@ -128,6 +132,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             BLOCK=block,
             num_warps=4 if block >= 1024 else 1,
             enable_fp_fusion=False,  # keep `variance + eps` and the other products rounded
+            **launch_args(x.device),
         )
     out = out.view(x.shape)
     return out if residual is None else (summed.view(x.shape), out)
@@ -254,10 +259,11 @@ def qk_norm_rope_cache_kernel(
     q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     heads, kv_heads, inv_n, eps,
     stride_qt, stride_kt, stride_vt, stride_ct, stride_qo, stride_cache,
-    BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One token per program: q and k RMSNorm'd and rotated, q written out, k and v written to
     their cache slot (what `paged_attention`'s index_put writes)."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D)[None, :]
     cos = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
@@ -269,6 +275,7 @@ def qk_norm_rope_cache_kernel(
     kv_rows = tl.arange(0, BLOCK_KVH)[:, None] * D + d
     tl.store(k_cache_ptr + slot * stride_cache + kv_rows, k, mask=k_mask)
     v = tl.load(v_ptr + t * stride_vt + kv_rows, mask=k_mask, other=0.0)
+    pdl_release(PDL)
     tl.store(v_cache_ptr + slot * stride_cache + kv_rows, v, mask=k_mask)
 
 
@@ -303,6 +310,6 @@ def qk_norm_rope_cache(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_ca
             h, k.shape[1], float(np.float32(1.0) / np.float32(d)), eps,
             q.stride(0), k.stride(0), v.stride(0), cos.stride(0), out.stride(0), k_cache.stride(0),
             BLOCK_H=triton.next_power_of_2(h), BLOCK_KVH=triton.next_power_of_2(k.shape[1]), D=d,
-            num_warps=4, enable_fp_fusion=False,
+            num_warps=4, enable_fp_fusion=False, **launch_args(q.device),
         )  # fmt: skip
     return out

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from samebits.kernels.launch import fast_launch
 from samebits.kernels.norm_rope_triton import _row_tree
+from samebits.kernels.pdl import launch_args, pdl_release, pdl_wait
 from samebits.kernels.router_triton import ROWS, _probs, supported
 from samebits.kernels.topk_order import SORT_SLOTS
 
@@ -113,11 +114,14 @@ def _top_k_store(
 @fast_launch
 @triton.jit
 def router_kernel(
-    x_ptr, w_ptr, i_ptr, T, stride_x, ROWS: tl.constexpr, E: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr
-):
+    x_ptr, w_ptr, i_ptr, T, stride_x,
+    ROWS: tl.constexpr, E: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
     """[T, E] logits -> weights [T, K] in w's dtype, indices [T, K] int64 (module docstring)."""
+    pdl_wait(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     p = _probs(x_ptr, rows, T, stride_x, ROWS, E)  # [ROWS, E] fp32
+    pdl_release(PDL)
     _top_k_store(p, rows, T, w_ptr, i_ptr, ROWS, E, K, NORM)
 
 
@@ -136,6 +140,6 @@ def router(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tup
         router_kernel[(triton.cdiv(t, ROWS),)](
             router_logits, weights, index, t, router_logits.stride(0),
             ROWS=ROWS, E=router_logits.shape[1], K=top_k, NORM=norm_topk_prob,
-            num_warps=4, enable_fp_fusion=False,
+            num_warps=4, enable_fp_fusion=False, **launch_args(router_logits.device),
         )  # fmt: skip
     return weights, index
