@@ -596,26 +596,30 @@ def test_slot_add_rms_norm_kernel_is_slot_sum_then_add_rms_norm_on_cuda(t):
     assert not torch.equal(other[0], want[0])
 
 
+def _tiny_engine(tmp_path, seed):
+    """() -> the CUDA engine's outputs (CUDA graphs on) for five prompts of the tiny model,
+    sampled at temperature 1: a fresh engine each call, so switches set between calls apply."""
+    from samebits import LLM, SamplingParams
+    from samebits.model.tiny import build_tiny_checkpoint
+    from samebits.verify import make_prompts
+
+    path = build_tiny_checkpoint(tmp_path / "t", seed=seed)
+    prompts = make_prompts((5, 9, 17, 3, 11), 384, seed=seed - 1)
+    params = SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, seed=seed + 2)
+    return lambda: LLM(path, device="cuda", max_num_seqs=8, max_model_len=96).generate(prompts, params)
+
+
 def test_engine_with_slots_summed_in_the_next_norm_gives_the_same_bits(tmp_path, monkeypatch):
     """The engine on CUDA with `registry.SLOTS_ON_CUDA` (each MoE layer's top-k sum made in the
     next norm's launch) samples the tokens and log-probs it samples without (the experts' own
     sum), CUDA graphs on; the fused norm ran. Control: the experts' sum added to the residual
     before its own rounding to bf16 (one rounding where transformers makes two) changes the
     log-probs."""
-    from samebits import LLM, SamplingParams
     from samebits.kernels import norm_rope_triton
     from samebits.kernels.experts import sum_slots_ref
-    from samebits.model.tiny import build_tiny_checkpoint
     from samebits.numerics import registry
-    from samebits.verify import make_prompts
 
-    path = build_tiny_checkpoint(tmp_path / "t", seed=2)
-    prompts = make_prompts((5, 9, 17, 3, 11), 384, seed=1)
-    params = SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, seed=4)
-
-    def run():
-        return LLM(path, device="cuda", max_num_seqs=8, max_model_len=96).generate(prompts, params)
-
+    run = _tiny_engine(tmp_path, seed=2)
     base = run()
     calls = []
     fused = norm_rope_triton.slot_add_rms_norm
@@ -641,20 +645,11 @@ def test_engine_with_programmatic_dependent_launch_gives_the_same_bits(tmp_path,
     samples the tokens and log-probs it samples without, CUDA graphs on; PDL launches ran.
     (No negative control: a kernel that skipped its wait would race, with no reproducible
     outcome; the bits are the kernels' own, which the other engine tests pin.)"""
-    from samebits import LLM, SamplingParams
     from samebits.kernels import pdl
-    from samebits.model.tiny import build_tiny_checkpoint
-    from samebits.verify import make_prompts
 
     if not pdl.supported(torch.device("cuda")):
         pytest.skip("PDL needs compute capability 9.0 or later")
-    path = build_tiny_checkpoint(tmp_path / "t", seed=3)
-    prompts = make_prompts((5, 9, 17, 3, 11), 384, seed=2)
-    params = SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, seed=5)
-
-    def run():
-        return LLM(path, device="cuda", max_num_seqs=8, max_model_len=96).generate(prompts, params)
-
+    run = _tiny_engine(tmp_path, seed=3)
     base = run()
     launches = []
     real = pdl.launch_args
