@@ -6,7 +6,8 @@
 At the Qwen3-30B-A3B attention shape (32 query heads, 4 kv heads, head dim 128, bf16,
 paged cache of 16-token pages), one query per sequence at `--context` keys: runs
 `attention_triton.attention` on each path (64-row tiles or transposed 16-row tiles, keys in
-one program or split into parallel programs), compares the output bitwise with the default
+one program or split into parallel programs, merged by a second launch or by the last of them
+to finish), compares the output bitwise with the default
 path, and times it in a CUDA graph (as the engine replays decode) against the memory floor:
 the K/V bytes read once at the copy bandwidth measured in the same run. Then packed prefill
 (8 x `--context`, eager). `--baseline FILE`: also time another version of the module (e.g.
@@ -83,7 +84,11 @@ def _decode_batch(b, context, baseline, launches, bw, chunks) -> dict:
     row = {"floor_us": 1e6 * 2 * b * context * KVH * D * 2 / bw}
     ref = at.attention(q, k, v, *meta, 1, D**-0.5, PAGE)
     path = plan(1, b, KVH, H // KVH, D, q.dtype, sm_count(q.device))
-    row["default"] = f"split={path.split}, transposed={path.transposed}"
+    row["default"] = (
+        f"split={path.split}, transposed={path.transposed}, "
+        f"merged in the last program={path.split and at.MERGE_LAST and path.transposed}, "
+        f"launch=({path.warps}, {path.stages})"
+    )
 
     def call(split=None, tr=None, last=None, chunk=at.CHUNK, launch=None):
         return at.attention(
@@ -158,11 +163,13 @@ def main() -> None:
     )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
+    chunks = [int(c) for c in args.chunks.split(",") if c]
+    if any(c <= 0 or c % at.BLOCK_N for c in chunks):
+        p.error(f"--chunks: each a positive multiple of the key block ({at.BLOCK_N}), got {args.chunks}")
     baseline = _load(args.baseline) if args.baseline else None
     bw = copy_bandwidth(torch.device("cuda"))
     launches = [None, *LAUNCHES] if args.launches else [None]
     batches = [int(b) for b in args.batches.split(",")]
-    chunks = [int(c) for c in args.chunks.split(",") if c]
     res = {
         "gpu": torch.cuda.get_device_name(),
         "copy_bandwidth_GBps": bw / 1e9,
