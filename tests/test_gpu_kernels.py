@@ -213,11 +213,11 @@ def test_transposed_tiles_give_the_bits_of_normal_tiles():
     )  # fmt: skip
     from samebits.kernels.attention_plan import DECODE_LAUNCH, DECODE_LAUNCH_MANY, LAUNCH
 
+    want = attention(q, kc, vc, table, *_int(0, s, s), s, scale, 16)  # the trainer's path and launch
     for launch in (DECODE_LAUNCH, DECODE_LAUNCH_MANY, LAUNCH):  # the plan's launches: the same bits
         out = attention(
             q[pos].contiguous(), kc, vc, *meta, 1, scale, 16, split=False, transposed=True, launch=launch
         )
-        want = attention(q, kc, vc, table, *_int(0, s, s), s, scale, 16)  # the trainer's path and launch
         assert torch.equal(out, want[pos]), launch
     for l_by_mma in (True, False):
         packed = attention(q, kc, vc, table, *_int(0, s, s), s, scale, 16, l_by_mma=l_by_mma)
