@@ -86,7 +86,7 @@ def _decode_batch(b, context, baseline, launches, bw, chunks) -> dict:
     path = plan(1, b, KVH, H // KVH, D, q.dtype, sm_count(q.device))
     row["default"] = (
         f"split={path.split}, transposed={path.transposed}, "
-        f"merged in the last program={path.split and at.MERGE_LAST and path.transposed}, "
+        f"merged in the last program={path.merge_last}, "
         f"launch=({path.warps}, {path.stages})"
     )
 

@@ -73,3 +73,19 @@ def test_the_launch_follows_the_path_and_the_programs_a_sm(max_q_len, batch, lau
     every launch at the compared layout: the GPU tests compare each.)"""
     p = _plan(max_q_len, batch)
     assert (p.warps, p.stages) == launch
+
+
+@pytest.mark.parametrize(
+    "max_q_len,batch,transposed,merge_last",
+    [
+        (1, 1, None, True),  # split in transposed tiles: the last program merges
+        (1, 32, None, True),
+        (1, 33, None, False),  # one program: nothing to merge
+        (3, 8, None, False),  # split in 64-row tiles: the merging launch
+        (1, 4, False, False),  # forced 64-row tiles
+    ],
+)
+def test_split_calls_merge_in_their_last_program_only_in_transposed_tiles(
+    max_q_len, batch, transposed, merge_last
+):
+    assert _plan(max_q_len, batch, transposed=transposed).merge_last is merge_last

@@ -42,6 +42,17 @@ DECODE_LAUNCH_MANY = (2, 2)  # the same from MANY_PROGRAMS_PER_SM programs a SM
 MANY_PROGRAMS_PER_SM = 4
 
 
+# A split call's chunks merged by the last chunk program of each (sequence, kv head) to finish
+# (a ticket counter) rather than by `attention_triton.combine_kernel` in a second launch: the same operations in
+# the same order. H200, 1024 keys, CUDA graph (docs/perf-notes.md, thirteenth session), in
+# transposed tiles: 13.0 us against 16.4 at one sequence, 16.1 against 19.9 at 16, 34.5 against
+# 37.5 at 32; batch-1 decode 4.40 ms a token against 4.61, the 48-layer probe 0 mismatches. In
+# 64-row tiles (head layouts other than the compared one) the last program's merge of 64-row
+# partials lost (19.5 against 17.9 us at one sequence, 49.6 against 41.5 at 32): there the
+# default keeps the combine launch.
+MERGE_LAST = True
+
+
 @dataclass(frozen=True)
 class Plan:
     transposed: bool
@@ -50,6 +61,7 @@ class Plan:
     tokens_per_tile: int
     warps: int = LAUNCH[0]
     stages: int = LAUNCH[1]
+    merge_last: bool = False  # a split call's chunks merged by its last program (MERGE_LAST)
 
 
 def _pow2(n: int) -> int:
@@ -88,8 +100,9 @@ def plan(
     H200 in a CUDA graph at 4 kv heads and 1024 keys (docs/perf-notes.md, ninth session): the
     split wins up to 32 sequences in either orientation (transposed 37.1 vs 44.3 us, 64 rows
     41.0 vs 47.6) and loses from 64 (56.8 vs 52.1, 70.2 vs 55.8). The launch (warps, stages):
-    `LAUNCH`, or for transposed tiles in one program `DECODE_LAUNCH` / `DECODE_LAUNCH_MANY`
-    (above). A forced choice the call cannot take raises ValueError."""
+    `LAUNCH`, or for transposed tiles in one program `DECODE_LAUNCH` / `DECODE_LAUNCH_MANY`;
+    a split call in transposed tiles merges in its last program (`MERGE_LAST`; above). A forced
+    choice the call cannot take raises ValueError."""
     fits = max_q_len * _pow2(group) <= BLOCK_Q and _COMPARED == (group, head_dim, dtype)  # no strings: hot path
     if transposed is None:
         transposed = fits
@@ -106,4 +119,4 @@ def plan(
     launch = LAUNCH
     if transposed and not split:
         launch = DECODE_LAUNCH_MANY if batch * kv_heads >= MANY_PROGRAMS_PER_SM * sms else DECODE_LAUNCH
-    return Plan(transposed, split, rows, tokens, *launch)
+    return Plan(transposed, split, rows, tokens, *launch, merge_last=split and transposed and MERGE_LAST)

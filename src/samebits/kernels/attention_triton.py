@@ -382,15 +382,6 @@ def combine_kernel(
     )
 
 
-# A split call's chunks merged by the last chunk program of each (sequence, kv head) to finish
-# (a ticket counter) rather than by `combine_kernel` in a second launch: the same operations in
-# the same order. H200, 1024 keys, CUDA graph (docs/perf-notes.md, thirteenth session), in
-# transposed tiles: 13.0 us against 16.4 at one sequence, 16.1 against 19.9 at 16, 34.5 against
-# 37.5 at 32; batch-1 decode 4.40 ms a token against 4.61, the 48-layer probe 0 mismatches. In
-# 64-row tiles (head layouts other than the compared one) the last program's merge of 64-row
-# partials lost (19.5 against 17.9 us at one sequence, 49.6 against 41.5 at 32): there the
-# default keeps the combine launch.
-MERGE_LAST = True
 _TICKETS: dict[int, torch.Tensor] = {}  # CUDA device index (-1: the interpreter's CPU) -> counters
 TICKETS = 1024  # counters per device: a split call has sequences x kv heads < the SMs
 
@@ -451,8 +442,7 @@ def attention(
     and `l_by_mma` (False: row sums by `tl.sum`) exist for experiments and negative controls:
     the engine and the trainer always use the defaults.
     `merge_last` (a split call): merge the chunks in the last chunk program to finish rather
-    than in a second launch (`attention_kernel`'s MERGE_LAST; the same bits); None: `MERGE_LAST`
-    in transposed tiles, the second launch in 64-row tiles.
+    than in a second launch (`attention_kernel`'s MERGE_LAST; the same bits); None: the plan's.
     `launch`: (num_warps, num_stages) instead of the plan's (experiments; the same bits at the
     compared layout).
     """
@@ -475,7 +465,7 @@ def attention(
     split, transposed, rows, tokens_per_tile = path.split, path.transposed, path.rows, path.tokens_per_tile
     warps, stages = launch or (path.warps, path.stages)
     chunks = triton.cdiv(block_table.shape[1] * page_size, chunk)  # a bound on any sequence's chunks
-    merge_last = split and (MERGE_LAST and transposed if merge_last is None else merge_last)
+    merge_last = split and (path.merge_last if merge_last is None else merge_last)
     if split:
         part_m = torch.empty(t, chunks, h, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)

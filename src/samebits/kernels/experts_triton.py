@@ -270,7 +270,7 @@ def experts_forward(
     instead of one per (expert, column tile) walking its rows (`_m_range`); the same row
     blocks, so the same bits. None: `m_in_grid_for(T * K)`. `sum_slots=False`: return the
     weighted slot outputs [T, K, H] fp32 before the top-k sum (`experts_ref_slots`), for a
-    consumer that sums them itself (`norm_rope_triton.rms_norm(..., slots=...)`).
+    consumer that sums them itself (`norm_rope_triton.slot_add_rms_norm`).
     """
     _check(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
     t, k = top_k_index.shape
