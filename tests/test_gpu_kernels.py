@@ -642,7 +642,7 @@ def test_engine_with_slots_summed_in_the_next_norm_gives_the_same_bits(tmp_path,
 def test_engine_with_programmatic_dependent_launch_gives_the_same_bits(tmp_path, monkeypatch):
     """The engine on CUDA with PDL between its decode kernels (`kernels/pdl.py`: each kernel
     may be scheduled while the one before finishes, and waits for it before touching memory)
-    samples the tokens and log-probs it samples without, CUDA graphs on; PDL launches ran.
+    samples the tokens and log-probs it samples with PDL off, CUDA graphs on; PDL launches ran.
     (No negative control: a kernel that skipped its wait would race, with no reproducible
     outcome; the bits are the kernels' own, which the other engine tests pin.)"""
     from samebits.kernels import pdl
@@ -650,6 +650,7 @@ def test_engine_with_programmatic_dependent_launch_gives_the_same_bits(tmp_path,
     if not pdl.supported(torch.device("cuda")):
         pytest.skip("PDL needs compute capability 9.0 or later")
     run = _tiny_engine(tmp_path, seed=3)
+    monkeypatch.setattr(pdl, "ENABLED", False)
     base = run()
     launches = []
     real = pdl.launch_args

@@ -1,5 +1,5 @@
-"""Programmatic dependent launch between the decode kernels (`kernels/pdl.py`): off by default;
-where on, every decode kernel waits for the kernel before it before touching memory. Needs
+"""Programmatic dependent launch between the decode kernels (`kernels/pdl.py`): on by default
+where supported; every decode kernel waits for the kernel before it before touching memory. Needs
 Triton (skipped without: CI installs none); the engine with it on is a GPU test."""
 
 from __future__ import annotations
