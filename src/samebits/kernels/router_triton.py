@@ -53,11 +53,13 @@ def softmax_kernel(x_ptr, p_ptr, T, stride_x, ROWS: tl.constexpr, E: tl.constexp
 
 
 @triton.jit
-def _probs(x_ptr, rows, T, stride_x, ROWS: tl.constexpr, E: tl.constexpr):
-    """Rows `rows` of [T, E] logits -> [ROWS, E] fp32 probabilities (rows past T: garbage)."""
+def _probs(x_ptr, rows, T, stride_x, ROWS: tl.constexpr, E: tl.constexpr, CACHE: tl.constexpr = ""):
+    """Rows `rows` of [T, E] logits -> [ROWS, E] fp32 probabilities (rows past T: garbage);
+    CACHE is the loads' cache modifier (".cg": logits other programs of the launch stored)."""
     cols = tl.arange(0, E)
     mask = (rows < T)[:, None]
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    at = x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :]
+    x = tl.load(at, mask=mask, other=0.0, cache_modifier=CACHE)
     x = x.to(tl.float32)
     e = _expf(x - tl.max(x, 1)[:, None])
     return tl.div_rn(e, _row_tree(e, ROWS, E)[:, None])
