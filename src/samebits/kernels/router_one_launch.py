@@ -122,7 +122,7 @@ def router_kernel(
     """[T, E] logits -> weights [T, K] in w's dtype, indices [T, K] int64 (module docstring)."""
     pdl_wait(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    p = _probs(x_ptr, rows, T, stride_x, ROWS, E)  # [ROWS, E] fp32
+    p = _probs(x_ptr, rows, T, stride_x, ROWS, E, "")  # [ROWS, E] fp32
     pdl_release(PDL)
     _top_k_store(p, rows, T, w_ptr, i_ptr, ROWS, E, K, NORM)
 
