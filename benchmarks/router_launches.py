@@ -1,5 +1,4 @@
 """The router after its linear: four launches around torch.topk, or one. Same bits? Cost?
-And the router with its linear: the Triton matmul then the one-launch router, or one launch.
 
     python benchmarks/router_launches.py [--tokens 1,64,256,4096]
 
@@ -7,10 +6,7 @@ At the Qwen3-30B-A3B router shape (128 experts, top-8, bf16 logits), times
 `router_triton.router` (softmax kernel, torch.topk's gather and sort, renorm kernel) and
 `router_one_launch.router` in a CUDA graph (as the engine replays decode), and says whether
 their weights and indices are equal, on random logits and on logits with expert 3j+1 tied to
-expert 3j (where only torch.topk's tie order makes them equal). Then, from x [T, 2048] and the
-router weight [128, 2048], `matmul_triton.matmul` followed by `router_one_launch.router` (two
-launches, as the model ran before) against `router_one_launch.linear_router` (one), on random
-weights and on weights with row 3j+1 = row 3j.
+expert 3j (where only torch.topk's tie order makes them equal).
 """
 
 from __future__ import annotations
@@ -20,17 +16,9 @@ import argparse
 import torch
 import triton
 
-from samebits.kernels import matmul_triton, router_one_launch, router_triton
+from samebits.kernels import router_one_launch, router_triton
 
-E, K, H = 128, 8, 2048
-
-
-def _two_launches(x, w):
-    return router_one_launch.router(matmul_triton.matmul(x, w.t()), K, True)
-
-
-def _one_launch(x, w):
-    return router_one_launch.linear_router(x, w, K, True)[:2]
+E, K = 128, 8
 
 
 def main() -> None:
@@ -53,21 +41,6 @@ def main() -> None:
             for f in (router_triton.router, router_one_launch.router)
         ]
         print(f"{t:>6} {us[0]:>17.1f} {us[1]:>14.1f}  {same}")
-    print(f"\n{'T':>6} {'linear + router us':>19} {'one launch us':>14}  same bits (random, tied)")
-    w = (torch.randn(E, H, device="cuda", generator=g) * H**-0.5 * 3).bfloat16()
-    tied = w.clone()
-    tied[1::3] = tied[0::3][: tied[1::3].shape[0]]
-    for t in (int(x) for x in args.tokens.split(",")):
-        x = torch.randn(t, H, device="cuda", generator=g).bfloat16()
-        same = []
-        for weight in (w, tied):
-            a, b = _two_launches(x, weight), _one_launch(x, weight)
-            same.append(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
-        us = [
-            1000 * triton.testing.do_bench_cudagraph(lambda f=f, x=x: f(x, w), rep=50)
-            for f in (_two_launches, _one_launch)
-        ]
-        print(f"{t:>6} {us[0]:>19.1f} {us[1]:>14.1f}  {same}")
 
 
 if __name__ == "__main__":

@@ -151,34 +151,3 @@ def test_one_launch_router_gives_the_transformers_router_bits(t, norm_topk_prob)
             torch.nn.functional.softmax(tied, dtype=torch.float, dim=-1), dim=-1, descending=True, stable=True
         )[1][:, :K]
         assert not torch.equal(stable, want)
-
-
-@pytest.mark.parametrize("norm_topk_prob", [True, False])
-@pytest.mark.parametrize("t", [1, 7, 64, 65, 256, 257, 4096])
-def test_linear_router_in_one_launch_gives_the_transformers_router_bits(t, norm_topk_prob, monkeypatch):
-    """The model's router on CUDA inside batch_invariant() (`ops.linear_router`: the linear and the
-    router in one launch, `router_one_launch.linear_router`) equals transformers' router, whose
-    linear is the Triton matmul there; its logits equal that matmul's, at T on both sides of the
-    matmul's tile change (256) and of its 64-row blocks. Control: the same kernel on x and the
-    weight with their hidden dim reversed (the same products, summed in another K order) gives
-    other logits."""
-    from samebits.kernels import router_one_launch, topk_order
-
-    if not topk_order.order_checked(K):
-        pytest.skip(f"torch {torch.__version__}: topk's tie order not checked for the one-launch router")
-    router = _router(norm_topk_prob)
-    g = torch.Generator(device="cuda").manual_seed(t)
-    x = torch.randn(t, H, device="cuda", generator=g).bfloat16()
-    calls = []
-    fused = router_one_launch.linear_router
-    monkeypatch.setattr(router_one_launch, "linear_router", lambda *a: calls.append(1) or fused(*a))
-    with torch.no_grad(), batch_invariant():
-        _, want_weights, want_index = router(x)
-        want_logits = torch.nn.functional.linear(x, router.weight)
-        weights, index = ops.linear_router(x, router.weight, K, norm_topk_prob)
-    assert calls, "the one-launch linear router should have run"
-    assert torch.equal(index, want_index) and torch.equal(weights, want_weights)
-    _, _, logits = fused(x, router.weight, K, norm_topk_prob)
-    assert torch.equal(logits, want_logits)
-    _, _, other = fused(x.flip(1).contiguous(), router.weight.flip(1).contiguous(), K, norm_topk_prob)
-    assert not torch.equal(other, want_logits)

@@ -28,7 +28,6 @@ DECODE_KERNELS = [
     attention_triton.attention_kernel,
     attention_triton.combine_kernel,
     router_one_launch.router_kernel,
-    router_one_launch.linear_router_kernel,
     experts_triton.route_kernel,
     experts_triton.gate_up_kernel,
     experts_triton.down_kernel,

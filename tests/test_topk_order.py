@@ -85,47 +85,6 @@ def test_one_launch_router_is_the_oracle_in_tritons_interpreter():
     run_interpreted(_INTERPRETED)
 
 
-_LINEAR = """
-import samebits.kernels.router_one_launch as r1
-from samebits.kernels import matmul_triton, tickets
-r1.supported = lambda logits, k: True
-g = torch.Generator().manual_seed(0)
-# (T, H, E, k): one and several row blocks of 64 (T <= 256) and of 128 (T > 256), H past a
-# BLOCK_K edge, one and four column blocks
-for t, h, e, k in [(1, 96, 128, 8), (70, 160, 128, 8), (300, 64, 64, 4), (9, 64, 16, 2)]:
-    x = torch.randn(t, h, generator=g).half()
-    w = (torch.randn(e, h, generator=g) / 8).half()
-    for norm in (True, False):
-        weights, index, logits = r1.linear_router(x, w, k, norm)
-        want_logits = matmul_triton.matmul(x, w.t())
-        want_w, want_i = r1.router(want_logits, k, norm)
-        assert torch.equal(logits, want_logits), (t, h, e)
-        assert torch.equal(index, want_i) and torch.equal(weights, want_w), (t, h, e, k, norm)
-counters = tickets.counters("router", torch.device("cpu"), 1)
-assert not counters.any()
-# control: row block 0's counter one ahead, so its third of four column programs draws the last
-# ticket and routes before the fourth has stored its logits (the buffer holds another input's)
-x = torch.randn(40, 128, generator=g).half()
-w = torch.randn(128, 128, generator=g).half()
-want_w, want_i = r1.router(matmul_triton.matmul(x, w.t()), 8, True)
-counters[0] = 1
-early_w, early_i, _ = r1.linear_router(x, w, 8, True)
-counters.zero_()
-assert not (torch.equal(early_i, want_i) and torch.equal(early_w, want_w))
-assert torch.equal(r1.linear_router(x, w, 8, True)[1], want_i)
-print("OK")
-"""
-
-
-def test_router_with_its_linear_in_one_launch_is_the_matmul_then_the_router_in_tritons_interpreter():
-    """`router_one_launch.linear_router` (fp16, Triton's CPU interpreter): its logits are
-    `matmul_triton.matmul`'s, and its weights and indices the one-launch router's on them, over
-    one and several row and column blocks, with the counters back to 0 after each call. Control:
-    a counter one ahead, and a row block is routed before its last column block's logits are
-    stored. Needs Triton."""
-    run_interpreted(_LINEAR)
-
-
 def test_refuses_what_it_does_not_reproduce():
     with pytest.raises(ValueError, match="NaN or -0.0"):
         topk_cuda_order_ref(torch.tensor([[1.0, float("nan"), 0.5]]), 2)

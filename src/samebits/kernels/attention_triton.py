@@ -48,7 +48,6 @@ import torch
 import triton
 import triton.language as tl
 
-from samebits.kernels import tickets
 from samebits.kernels.attention_plan import BLOCK_M, plan
 from samebits.kernels.device_facts import sm_count
 from samebits.kernels.launch import fast_launch
@@ -383,9 +382,32 @@ def combine_kernel(
     )
 
 
+_TICKETS: dict[int, torch.Tensor] = {}  # CUDA device index (-1: the interpreter's CPU) -> counters
+TICKETS = 1024  # counters per device: a split call has sequences x kv heads < the SMs
+
+
 def _tickets(device: torch.device, n: int) -> torch.Tensor:
-    """The MERGE_LAST counters of `device` (`kernels/tickets.py`): one per (sequence, kv head)."""
-    return tickets.counters("attention", device, n)
+    """The MERGE_LAST counters of `device`: zeros, put back to zero by every call that used
+    them (by the last program of each sequence and kv head), so one allocation serves every
+    later call, CUDA graph replays included (the engine runs each size eagerly before it
+    captures it, so the allocation is not captured; a first split call inside a capture is
+    refused, since the zeros would only be written on replay). Split calls on one device must
+    not run at once on two streams: the engine's decode runs on one."""
+    if n > TICKETS:
+        raise ValueError(f"attention: a split call of {n} (sequence, kv head) pairs exceeds {TICKETS} tickets")
+    if device.type != "cuda":
+        key = -1  # Triton's CPU interpreter
+    else:
+        key = device.index if device.index is not None else torch.cuda.current_device()
+    buf = _TICKETS.get(key)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "attention: the first split decode call on this device is inside a CUDA graph capture; "
+                "run one call eagerly first (the engine warms each size up before capturing it)"
+            )
+        buf = _TICKETS[key] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
+    return buf
 
 
 def attention(

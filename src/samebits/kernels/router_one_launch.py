@@ -24,12 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from samebits.kernels import matmul_triton, tickets
 from samebits.kernels.launch import fast_launch
-from samebits.kernels.matmul_triton import tile_product
 from samebits.kernels.norm_rope_triton import _row_tree
 from samebits.kernels.pdl import launch_args, pdl_release, pdl_wait
-from samebits.kernels.router_triton import ROWS, _power_of_two, _probs, supported
+from samebits.kernels.router_triton import ROWS, _probs, supported
 from samebits.kernels.topk_order import SORT_SLOTS
 
 assert SORT_SLOTS == 32, "the kernel's network is written for topk_order's 32 slots"
@@ -122,7 +120,7 @@ def router_kernel(
     """[T, E] logits -> weights [T, K] in w's dtype, indices [T, K] int64 (module docstring)."""
     pdl_wait(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    p = _probs(x_ptr, rows, T, stride_x, ROWS, E, "")  # [ROWS, E] fp32
+    p = _probs(x_ptr, rows, T, stride_x, ROWS, E)  # [ROWS, E] fp32
     pdl_release(PDL)
     _top_k_store(p, rows, T, w_ptr, i_ptr, ROWS, E, K, NORM)
 
@@ -145,89 +143,3 @@ def router(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tup
             num_warps=4, enable_fp_fusion=False, **launch_args(router_logits.device),
         )  # fmt: skip
     return weights, index
-
-
-@fast_launch
-@triton.jit
-def linear_router_kernel(
-    x_ptr, g_ptr, logits_ptr, w_ptr, i_ptr, ticket_ptr, T, H, stride_xt, stride_xh, stride_gh, stride_ge,
-    ROWS: tl.constexpr, E: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-):  # fmt: skip
-    """x [T, H] and the router's weight as [H, E] (strides) -> logits [T, E] (x's dtype), weights
-    [T, K], indices [T, K] int64. Program (m, n) computes the logits tile of rows block m and
-    expert columns block n as `matmul_kernel` does (`tile_product`, the same tiles) and stores
-    it; the program of row block m drawing its last ticket then runs `router_kernel`'s body
-    over the block's rows, ROWS at a time, on the stored logits."""
-    pdl_wait(PDL)
-    pid_m = tl.program_id(0)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tile_product(
-        x_ptr, g_ptr, offs_m, offs_n, T, E, H, stride_xt, stride_xh, stride_gh, stride_ge,
-        False, BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
-    pdl_release(PDL)
-    tl.store(
-        logits_ptr + offs_m[:, None] * E + offs_n[None, :],
-        acc.to(logits_ptr.dtype.element_ty),
-        mask=(offs_m[:, None] < T) & (offs_n[None, :] < E),
-    )
-    # every thread's stores before the ticket (the barrier, then the release); the last ticket's
-    # program sees every column block's logits (the acquire; `.cg` loads, past L1)
-    tl.debug_barrier()
-    ticket = ticket_ptr + pid_m
-    if tl.atomic_add(ticket, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-        tl.atomic_xchg(ticket, 0, sem="relaxed")
-        for s in range(0, tl.cdiv(tl.minimum(T - pid_m * BLOCK_M, BLOCK_M), ROWS)):
-            rows = pid_m * BLOCK_M + s * ROWS + tl.arange(0, ROWS)
-            p = _probs(logits_ptr, rows, T, E, ROWS, E, ".cg")
-            _top_k_store(p, rows, T, w_ptr, i_ptr, ROWS, E, K, NORM)
-
-
-_LINEAR_DTYPES = (torch.bfloat16, torch.float16)  # the matmul's one BLOCK_K (fp32 has its own)
-
-
-def linear_supported(x: torch.Tensor, weight: torch.Tensor, top_k: int) -> bool:
-    """Whether `linear_router` runs: 2-D CUDA x [T, H] and weight [E, H] of one dtype, bf16 or
-    fp16; E a power of two, 16..256; top_k a power of two <= min(E, 32); the row blocks
-    within the ticket counters."""
-    if x.dim() != 2 or weight.dim() != 2 or not (x.is_cuda and weight.is_cuda):
-        return False
-    if x.dtype != weight.dtype or x.dtype not in _LINEAR_DTYPES or x.shape[1] != weight.shape[1]:
-        return False
-    t, e = x.shape[0], weight.shape[0]
-    if not (_power_of_two(e) and 16 <= e <= 256 and _power_of_two(top_k) and top_k <= min(e, SORT_SLOTS)):
-        return False
-    return triton.cdiv(t, matmul_triton._tiles_for(t, e)[0]) <= tickets.SIZE
-
-
-def linear_router(
-    x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`router(matmul(x, weight.T), top_k, norm_topk_prob)` in one launch, with both steps' bits:
-    (weights [T, K] in x's dtype, indices [T, K] int64, logits [T, E]). The logits are
-    `matmul_triton.matmul`'s (its tiles for this T and E, its BLOCK_K, its `tile_product`).
-    Call only where `linear_supported`."""
-    if not linear_supported(x, weight, top_k):
-        raise ValueError(
-            "linear_router: needs CUDA x [T, H] and weight [E, H] of one dtype (bf16 or fp16), "
-            f"E a power of two 16..256, top_k a power of two <= min(E, 32); got {tuple(x.shape)} {x.dtype}, "
-            f"{tuple(weight.shape)} {weight.dtype}, top_k {top_k}"
-        )
-    t, h = x.shape
-    e = weight.shape[0]
-    logits = torch.empty(t, e, dtype=x.dtype, device=x.device)
-    weights = torch.empty(t, top_k, dtype=x.dtype, device=x.device)
-    index = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
-    if t:
-        block_m, block_n, warps, stages = matmul_triton._tiles_for(t, e)
-        grid = (triton.cdiv(t, block_m), triton.cdiv(e, block_n))
-        linear_router_kernel[grid](
-            x, weight, logits, weights, index, tickets.counters("router", x.device, grid[0]), t, h,
-            x.stride(0), x.stride(1), weight.stride(1), weight.stride(0),
-            ROWS=ROWS, E=e, K=top_k, NORM=norm_topk_prob,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=matmul_triton.BLOCK_K,
-            num_warps=warps, num_stages=stages, enable_fp_fusion=False, **launch_args(x.device),
-        )  # fmt: skip
-    return weights, index, logits

@@ -48,18 +48,16 @@ def softmax_kernel(x_ptr, p_ptr, T, stride_x, ROWS: tl.constexpr, E: tl.constexp
     """[T, E] logits -> [T, E] fp32 probabilities: the composite softmax's roundings."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, E)
-    p = _probs(x_ptr, rows, T, stride_x, ROWS, E, "")
+    p = _probs(x_ptr, rows, T, stride_x, ROWS, E)
     tl.store(p_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :], p, mask=(rows < T)[:, None])
 
 
 @triton.jit
-def _probs(x_ptr, rows, T, stride_x, ROWS: tl.constexpr, E: tl.constexpr, CACHE: tl.constexpr):
-    """Rows `rows` of [T, E] logits -> [ROWS, E] fp32 probabilities (rows past T: garbage);
-    CACHE is the loads' cache modifier (".cg": logits other programs of the launch stored)."""
+def _probs(x_ptr, rows, T, stride_x, ROWS: tl.constexpr, E: tl.constexpr):
+    """Rows `rows` of [T, E] logits -> [ROWS, E] fp32 probabilities (rows past T: garbage)."""
     cols = tl.arange(0, E)
     mask = (rows < T)[:, None]
-    at = x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :]
-    x = tl.load(at, mask=mask, other=0.0, cache_modifier=CACHE)
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
     e = _expf(x - tl.max(x, 1)[:, None])
     return tl.div_rn(e, _row_tree(e, ROWS, E)[:, None])

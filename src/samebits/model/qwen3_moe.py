@@ -85,9 +85,6 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
 
     def forward(self, x):  # [T, H] -> weights [T, K], indices [T, K]
-        fused = ops.linear_router(x, self.weight, self.top_k, self.norm_topk_prob)
-        if fused is not None:
-            return fused
         return ops.router(F.linear(x, self.weight), self.top_k, self.norm_topk_prob)
 
 

@@ -184,15 +184,6 @@ def projections(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[torch.Ten
     return pick("projections", x.device.type)(x, weights)
 
 
-def linear_router(x: Tensor, weight: Tensor, top_k: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor] | None:
-    """`router(F.linear(x, weight), top_k, norm_topk_prob)` in one step where this device and
-    profile have one (on CUDA one launch, the two steps' bits); None elsewhere, or where autograd
-    is recording (the differentiable path is F.linear and `router`): then make the two calls."""
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return None
-    return pick("linear_router", x.device.type)(x, weight, top_k, norm_topk_prob)
-
-
 def experts_slots(
     hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor
 ) -> Tensor | None:

@@ -323,35 +323,6 @@ def _router_fast_cuda(router_logits, top_k, norm_topk_prob):
     return composite.router(router_logits, top_k, norm_topk_prob)
 
 
-_LINEAR_ROUTER = _lazy("samebits.kernels.router_one_launch", "linear_router")
-
-
-def _no_linear_router(x, weight, top_k, norm_topk_prob):
-    return None
-
-
-def _linear_router_one_launch(x, weight, top_k, norm_topk_prob):
-    """The router's linear and the router in one launch (`router_one_launch.linear_router`: the
-    Triton matmul's logits, then the one-launch router's steps) where both halves would run
-    those kernels anyway; None (the model's two steps) elsewhere."""
-    if not (triton_available() and _fused_router_ok(x, top_k)):
-        return None
-    from samebits.kernels.router_one_launch import linear_supported
-    from samebits.kernels.topk_order import order_checked
-
-    if not (order_checked(top_k) and linear_supported(x, weight, top_k)):
-        return None
-    return _LINEAR_ROUTER(x, weight, top_k, norm_topk_prob)[:2]
-
-
-# exact: only inside batch_invariant(), where F.linear is the Triton matmul and the router the
-# fused one; fast: wherever the kernel runs
-def _linear_router_exact_cuda(x, weight, top_k, norm_topk_prob):
-    if scope.invariant_depth():
-        return _linear_router_one_launch(x, weight, top_k, norm_topk_prob)
-    return None
-
-
 # -- a MoE layer's top-k sum in the next norm's launch --------------------------------------------
 # The experts hand the next norm their weighted slot outputs [T, K, H] fp32; the norm sums them
 # (the experts' tree, rounded once), adds the residual and normalizes in one launch. On CUDA that
@@ -433,13 +404,6 @@ TABLE: dict[str, dict[str, dict[str, Callable]]] = {
     "router": {
         "cpu": {ANY: composite.router},
         "cuda": {"exact": _router_exact_cuda, "fast": _router_fast_cuda},
-    },
-    # (x, router weight, top_k, norm) -> the router's (weights, indices) with its linear in one
-    # launch, or None where a device or profile has no such step: then the model calls F.linear
-    # and `router`
-    "linear_router": {
-        "cpu": {ANY: _no_linear_router},
-        "cuda": {"exact": _linear_router_exact_cuda, "fast": _linear_router_one_launch},
     },
     # MoE experts before their top-k sum ([T, K, H] fp32, or None where a device or profile has
     # no such step: then the model calls `experts`)
