@@ -23,7 +23,8 @@ pointer grids. This benchmark asks whether feeding the same MMAs by TMA closes t
 For each T (uniform random routing at the Qwen3-30B-A3B shape: 128 experts, top-8, H 2048,
 I 768, bf16) it checks that the intermediate and the weighted slot outputs equal
 `experts_triton.experts_forward(..., sum_slots=False)`'s bit for bit, and times (CUDA events,
-median of --reps) the current kernels against copy + the TMA kernels at each --configs tile
+median of --reps) the current kernels, the current kernels with gate_up reading the sorted
+copy of x (the gather alone, apart from TMA), and copy + the TMA kernels at each --configs tile
 (BLOCK_M, BLOCK_N, num_warps, num_stages), as TFLOP/s of 6 * pairs * H * I. Not used by the
 engine; if it wins with the same bits, the kernels move into `experts_triton` behind the
 tile table's prefill entry.
@@ -170,21 +171,24 @@ def main() -> None:
         flops = 6 * t * TOP_K * H * INTER
         want = experts_triton.experts_forward(x, index, weights, gate_up, down, sum_slots=False)
         table = tiles_for(t * TOP_K)
-        arms = [(f"experts_triton {table}", None)] + [(f"tma {c}", c) for c in configs]
-        for name, tiles in arms:
-            if tiles is None:
-                fn = functools.partial(experts_triton.experts_forward, *inputs, sum_slots=False)
-                same = "reference"
-            else:
-                fn = functools.partial(experts_tma, *inputs, tiles)
+        want_inter, _ = experts_pointer(*inputs, table, sorted_x=False)
+        arms = [
+            (
+                f"experts_triton {table}",
+                functools.partial(experts_triton.experts_forward, *inputs, sum_slots=False),
+            ),
+            (f"sorted x, pointers {table}", functools.partial(experts_pointer, *inputs, table, True)),
+        ] + [(f"tma {c}", functools.partial(experts_tma, *inputs, c)) for c in configs]
+        for name, fn in arms:
+            same = "reference"
+            if not name.startswith("experts_triton"):
                 try:
                     inter_b, slots_b = fn()
                 except Exception as exc:  # a tile that does not fit or compile: say so, go on
                     print(f"{t:>6} {name:<28} failed: {type(exc).__name__}: {str(exc)[:120]}")
                     rows.append(dict(tokens=t, arm=name, error=f"{type(exc).__name__}: {exc}"[:500]))
                     continue
-                inter_a = _intermediate(x, index, weights, gate_up, down, table)
-                same = [torch.equal(inter_a, inter_b), torch.equal(want, slots_b)]
+                same = [torch.equal(want_inter, inter_b), torch.equal(want, slots_b)]
             ms = _median_ms(fn, args.reps)
             print(f"{t:>6} {name:<28} {1000 * ms:>9.1f} {flops / ms / 1e9:>8.1f}  {same}")
             rows.append(dict(tokens=t, arm=name, us=1000 * ms, tflops=flops / ms / 1e9, same=same))
@@ -197,21 +201,36 @@ def main() -> None:
             json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
 
 
-def _intermediate(x, index, weights, gate_up, down, tiles):
-    """`experts_triton`'s gate_up output (the intermediate in expert order), for the bit check."""
-    t, k = index.shape
+def experts_pointer(x, top_k_index, top_k_weights, gate_up, down, tiles, sorted_x: bool):
+    """`experts_triton`'s two kernels with rows in the grid -> (intermediate, slot outputs
+    [T, K, H]); `sorted_x`: gate_up reads x copied into expert order (contiguous rows, an
+    identity order) instead of gathering its rows through `order`: the gather alone, apart
+    from TMA."""
+    t, k = top_k_index.shape
     e, two_i, h = gate_up.shape
     i = two_i // 2
     block_m, block_n, warps, stages = tiles
-    order, offsets = experts_triton._route(index, e)
+    order, offsets = experts_triton._route(top_k_index, e)
+    a, a_order = x, order
+    if sorted_x:
+        a = x.index_select(0, (order // k).long())
+        a_order = torch.arange(0, t * k * k, k, dtype=torch.int32, device=x.device)  # token = row
     inter = torch.empty(t * k, i, dtype=x.dtype, device=x.device)
     rows_axis = triton.cdiv(t * k, block_m) + min(e, t * k)
-    experts_triton.gate_up_kernel[(rows_axis, triton.cdiv(i, block_n))](
-        x, gate_up, inter, order, offsets, h, i, k, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        inter.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages,
+    consts = dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages,
         M_IN_GRID=True, E=e, E_PAD=triton.next_power_of_2(e),
     )  # fmt: skip
-    return inter
+    experts_triton.gate_up_kernel[(rows_axis, triton.cdiv(i, block_n))](
+        a, gate_up, inter, a_order, offsets, h, i, k, a.stride(0), gate_up.stride(0), gate_up.stride(1),
+        inter.stride(0), **consts,
+    )  # fmt: skip
+    per_slot = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
+    experts_triton.down_kernel[(rows_axis, triton.cdiv(h, block_n))](
+        inter, down, per_slot, top_k_weights, order, offsets, h, i, inter.stride(0), down.stride(0),
+        down.stride(1), per_slot.stride(0), **consts,
+    )  # fmt: skip
+    return inter, per_slot.view(t, k, h)
 
 
 if __name__ == "__main__":
