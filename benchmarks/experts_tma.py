@@ -18,7 +18,7 @@ pointer grids. This benchmark asks whether feeding the same MMAs by TMA closes t
   element reads them, so each stored element is still one fp32 accumulator walking its K
   from 0 up in BLOCK_K steps, one `tl.dot` a step, as in `experts_triton`.
 - The epilogues (silu(gate) * up with its roundings; the routing weight and the scatter to
-  the slot) are `experts_triton`'s lines.
+  the slot) are `experts_triton`'s (`store_gate_up`, `store_down`).
 
 For each T (uniform random routing at the Qwen3-30B-A3B shape: 128 experts, top-8, H 2048,
 I 768, bf16) it checks that the intermediate and the weighted slot outputs equal
@@ -67,15 +67,7 @@ def gate_up_tma_kernel(
             x = xs_desc.load([m0, k0])  # [BM, BK]
             acc_gate = tl.dot(x, w_desc.load([gate_row, k0]).T, acc_gate)
             acc_up = tl.dot(x, w_desc.load([gate_row + INTER, k0]).T, acc_up)
-        gate = acc_gate.to(h_ptr.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(h_ptr.dtype.element_ty).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(h_ptr.dtype.element_ty).to(tl.float32)  # silu
-        h = (act * up).to(h_ptr.dtype.element_ty)
-        tl.store(
-            h_ptr + rows.to(tl.int64)[:, None] * stride_hn + cols[None, :],
-            h,
-            mask=in_rows[:, None] & (cols[None, :] < INTER),
-        )
+        experts_triton.store_gate_up(acc_gate, acc_up, h_ptr, rows, in_rows, cols, INTER, stride_hn)
 
 
 @triton.jit
@@ -94,13 +86,7 @@ def down_tma_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
             acc = tl.dot(h_desc.load([m0, k0]), w_desc.load([w_row, k0]).T, acc)
-        slot = tl.load(order_ptr + rows, mask=in_rows, other=0)
-        weight = tl.load(weights_ptr + slot, mask=in_rows, other=0.0).to(tl.float32)
-        tl.store(
-            out_ptr + slot.to(tl.int64)[:, None] * stride_on + cols[None, :],
-            acc * weight[:, None],
-            mask=in_rows[:, None] & (cols[None, :] < H),
-        )
+        experts_triton.store_down(acc, out_ptr, weights_ptr, order_ptr, rows, in_rows, cols, H, stride_on)
 
 
 def experts_tma(x, top_k_index, top_k_weights, gate_up, down, tiles):

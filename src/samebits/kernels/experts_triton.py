@@ -147,6 +147,34 @@ def _m_range(
     return e, m_lo, m_hi, end
 
 
+@triton.jit
+def store_gate_up(acc_gate, acc_up, h_ptr, rows, in_rows, cols, INTER, stride_hn):
+    """gate_up's epilogue: `silu(gate) * up` with transformers' roundings (each of gate, up and
+    silu(gate) rounded to h's dtype before the product), stored at the intermediate's rows."""
+    gate = acc_gate.to(h_ptr.dtype.element_ty).to(tl.float32)
+    up = acc_up.to(h_ptr.dtype.element_ty).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(h_ptr.dtype.element_ty).to(tl.float32)  # silu
+    h = (act * up).to(h_ptr.dtype.element_ty)
+    tl.store(
+        h_ptr + rows.to(tl.int64)[:, None] * stride_hn + cols[None, :],
+        h,
+        mask=in_rows[:, None] & (cols[None, :] < INTER),
+    )
+
+
+@triton.jit
+def store_down(acc, out_ptr, weights_ptr, order_ptr, rows, in_rows, cols, H, stride_on):
+    """down's epilogue: each row's fp32 output times its routing weight, stored at its (token,
+    slot) row of the [T * K, H] slot outputs."""
+    slot = tl.load(order_ptr + rows, mask=in_rows, other=0)
+    weight = tl.load(weights_ptr + slot, mask=in_rows, other=0.0).to(tl.float32)
+    tl.store(
+        out_ptr + slot.to(tl.int64)[:, None] * stride_on + cols[None, :],
+        acc * weight[:, None],
+        mask=in_rows[:, None] & (cols[None, :] < H),
+    )
+
+
 @fast_launch
 @triton.jit
 def gate_up_kernel(
@@ -190,15 +218,7 @@ def gate_up_kernel(
             acc_gate = tl.dot(x, tl.load(w_gate + k0, mask=w_mask, other=0.0), acc_gate)
             acc_up = tl.dot(x, tl.load(w_up + k0, mask=w_mask, other=0.0), acc_up)
         pdl_release(PDL)  # after each row block's K loop (a repeat is a no-op)
-        gate = acc_gate.to(h_ptr.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(h_ptr.dtype.element_ty).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(h_ptr.dtype.element_ty).to(tl.float32)  # silu
-        h = (act * up).to(h_ptr.dtype.element_ty)
-        tl.store(
-            h_ptr + rows.to(tl.int64)[:, None] * stride_hn + cols[None, :],
-            h,
-            mask=in_rows[:, None] & (cols[None, :] < INTER),
-        )
+        store_gate_up(acc_gate, acc_up, h_ptr, rows, in_rows, cols, INTER, stride_hn)
 
 
 @fast_launch
@@ -240,13 +260,7 @@ def down_kernel(
             w = tl.load(w_tile + k0, mask=k_ok[:, None] & (cols[None, :] < H), other=0.0)
             acc = tl.dot(a, w, acc)
         pdl_release(PDL)  # after each row block's K loop (a repeat is a no-op)
-        slot = tl.load(order_ptr + rows, mask=in_rows, other=0)
-        weight = tl.load(weights_ptr + slot, mask=in_rows, other=0.0).to(tl.float32)
-        tl.store(
-            out_ptr + slot.to(tl.int64)[:, None] * stride_on + cols[None, :],
-            acc * weight[:, None],
-            mask=in_rows[:, None] & (cols[None, :] < H),
-        )
+        store_down(acc, out_ptr, weights_ptr, order_ptr, rows, in_rows, cols, H, stride_on)
 
 
 def experts_forward(
