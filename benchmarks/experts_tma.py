@@ -23,7 +23,7 @@ pointer grids. This benchmark asks whether feeding the same MMAs by TMA closes t
 For each T (uniform random routing at the Qwen3-30B-A3B shape: 128 experts, top-8, H 2048,
 I 768, bf16) it checks that the intermediate and the weighted slot outputs equal
 `experts_triton.experts_forward(..., sum_slots=False)`'s bit for bit, and times (CUDA events,
-median of --reps) the current kernels, the current kernels with gate_up reading the sorted
+the mean of --reps calls back to back) the current kernels, the current kernels with gate_up reading the sorted
 copy of x (the gather alone, apart from TMA), and copy + the TMA kernels at each --configs tile
 (BLOCK_M, BLOCK_N, num_warps, num_stages), as TFLOP/s of 6 * pairs * H * I. Not used by the
 engine; if it wins with the same bits, the kernels move into `experts_triton` behind the
@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 
 import torch
 import triton
@@ -43,9 +42,10 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from samebits.kernels import experts_triton
-from samebits.kernels.experts_tiles import BLOCK_K, tiles_for
+from samebits.kernels.experts_tiles import BLOCK_K, TILES_FROM_PAIRS, tiles_for
 
 E, TOP_K, H, INTER = 128, 8, 2048, 768
+LARGE_FROM_PAIRS = TILES_FROM_PAIRS[-1][0]  # the prefill entry (row blocks in the grid, large tiles)
 
 
 @triton.jit
@@ -125,33 +125,43 @@ def _inputs(t: int, g: torch.Generator):
     return x, index, weights.bfloat16().contiguous(), gate_up, down
 
 
-def _median_ms(fn, reps: int) -> float:
+def _mean_ms(fn, reps: int) -> float:
+    """ms a call: `reps` calls back to back between one pair of events, after one warm-up
+    (so the host's launch work overlaps the device's, as in the engine)."""
     fn()
-    times = []
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
         fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) / reps
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="2048,4096,8192")
-    p.add_argument("--configs", default="128,128,8,4;128,128,8,3;128,256,8,2;64,128,4,4")
+    p.add_argument("--configs", default="128,128,8,4;128,128,8,3;64,256,8,3;64,128,4,4")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";")]
+    tokens_list = [int(v) for v in args.tokens.split(",")]
+    small = [t for t in tokens_list if t * TOP_K < LARGE_FROM_PAIRS]
+    if small:
+        raise SystemExit(f"--tokens {small}: below the prefill tiles' entry ({LARGE_FROM_PAIRS} pairs)")
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    print(f"{'T':>6} {'arm':<28} {'us':>9} {'TFLOP/s':>8}  same bits (intermediate, slots)")
-    for t in (int(v) for v in args.tokens.split(",")):
-        if not experts_triton.m_in_grid_for(t * TOP_K):
-            raise SystemExit(f"--tokens {t}: below the table's row-blocks-in-the-grid entry (a prefill size)")
+
+    def record(row: dict) -> None:  # written after every row, so a stopped run keeps what it measured
+        rows.append(row)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+
+    print(f"{'T':>6} {'arm':<28} {'us':>9} {'TFLOP/s':>8}  same bits (intermediate, slots)", flush=True)
+    for t in tokens_list:
         inputs = _inputs(t, g)
         x, index, weights, gate_up, down = inputs
         flops = 6 * t * TOP_K * H * INTER
@@ -166,25 +176,23 @@ def main() -> None:
             (f"sorted x, pointers {table}", functools.partial(experts_pointer, *inputs, table, True)),
         ] + [(f"tma {c}", functools.partial(experts_tma, *inputs, c)) for c in configs]
         for name, fn in arms:
-            same = "reference"
-            if not name.startswith("experts_triton"):
-                try:
+            try:
+                same = "reference"
+                if not name.startswith("experts_triton"):
                     inter_b, slots_b = fn()
-                except Exception as exc:  # a tile that does not fit or compile: say so, go on
-                    print(f"{t:>6} {name:<28} failed: {type(exc).__name__}: {str(exc)[:120]}")
-                    rows.append(dict(tokens=t, arm=name, error=f"{type(exc).__name__}: {exc}"[:500]))
-                    continue
-                same = [torch.equal(want_inter, inter_b), torch.equal(want, slots_b)]
-            ms = _median_ms(fn, args.reps)
-            print(f"{t:>6} {name:<28} {1000 * ms:>9.1f} {flops / ms / 1e9:>8.1f}  {same}")
-            rows.append(dict(tokens=t, arm=name, us=1000 * ms, tflops=flops / ms / 1e9, same=same))
+                    same = [torch.equal(want_inter, inter_b), torch.equal(want, slots_b)]
+                    del inter_b, slots_b
+                ms = _mean_ms(fn, args.reps)
+            except Exception as exc:  # a tile that does not fit, compile or run: say so, go on
+                print(f"{t:>6} {name:<28} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                record(dict(tokens=t, arm=name, error=f"{type(exc).__name__}: {exc}"[:500]))
+                continue
+            print(f"{t:>6} {name:<28} {1000 * ms:>9.1f} {flops / ms / 1e9:>8.1f}  {same}", flush=True)
+            record(dict(tokens=t, arm=name, us=1000 * ms, tflops=flops / ms / 1e9, same=same))
         tokens = (experts_triton._route(index, E)[0] // TOP_K).long()
-        copy_ms = _median_ms(functools.partial(x.index_select, 0, tokens), args.reps)
-        print(f"{t:>6} {'(of which the copy of x)':<28} {1000 * copy_ms:>9.1f}")
-        rows.append(dict(tokens=t, arm="copy of x", us=1000 * copy_ms))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+        copy_ms = _mean_ms(functools.partial(x.index_select, 0, tokens), args.reps)
+        print(f"{t:>6} {'(of which the copy of x)':<28} {1000 * copy_ms:>9.1f}", flush=True)
+        record(dict(tokens=t, arm="copy of x", us=1000 * copy_ms))
 
 
 def experts_pointer(x, top_k_index, top_k_weights, gate_up, down, tiles, sorted_x: bool):

@@ -1,7 +1,7 @@
 """The decode GEMMs' tiles as the engine runs them: CUDA graph, weights from DRAM. (CUDA)
 
     python benchmarks/matmul_decode.py [--ms 1,8,64,256] [--configs "64,32,4,6;16,16,2,12"]
-        [--shapes q+k+v,o_proj,router] [--out matmul_decode.json]
+        [--shapes q+k+v,o_proj,router] [--replays 20] [--bandwidth 4.3e12] [--out matmul_decode.json]
 
 `benchmarks/matmul_configs.py` times each tile eagerly on one weight, which then sits in the
 H200's 50 MB L2 and behind ~20 us of host launch: at decode sizes it measures neither the
@@ -16,10 +16,12 @@ each with 6 stages x 4 KB of weight in flight: ~1.5 MB over the whole GPU, again
 3.9 us floor, eleventh session); the router (N 128) gets 4 programs. Narrower BLOCK_N gives
 more programs, deeper stages more bytes each, BLOCK_M 16 a smaller x tile per stage.
 
-Every configuration is checked against the launcher's own tiles at every M for the same bits
-(BLOCK_K never changes, so each element's K order does not; module docstring of
-`matmul_triton`). Prints us a call and the fraction of the floor (weight bytes over
---bandwidth); writes JSON with --out. A configuration that wins with the same bits goes into
+Every configuration is checked for the same bits (BLOCK_K never changes, so each element's K
+order should not; module docstring of `matmul_triton`): its M rows against the launcher's at
+that M, and 4096 rows through it against the launcher's 4096-row (trainer-sized) launch (bf16
+outputs hide most fp32 differences, so a few rows alone would rarely show another K order).
+Prints us a call and the fraction of the floor (weight bytes over --bandwidth); writes JSON
+with --out after every row. A configuration that wins with the same bits goes into
 `matmul_triton._tiles_for` by (M, N).
 """
 
@@ -39,6 +41,7 @@ SHAPES = {  # name -> (K, N) of the Qwen3-30B-A3B decode GEMMs
     "lm_head": (2048, 151936),
 }
 L2_BYTES = 50 << 20
+ROWS_CHECKED = 4096  # rows each tile is checked on, beside the timed M
 
 
 def _call_us(a, weights, tiles, replays: int) -> float:
@@ -78,6 +81,14 @@ def main() -> None:
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";")]
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
+
+    def record(row: dict) -> None:  # written after every row, so a stopped run keeps what it measured
+        rows.append(row)
+        if args.out:
+            with open(args.out, "w") as f:
+                meta = dict(device=torch.cuda.get_device_name(), bandwidth=args.bandwidth)
+                json.dump(dict(meta, rows=rows), f, indent=1)
+
     for name in args.shapes.split(","):
         k, n = SHAPES[name]
         nbytes = k * n * 2
@@ -86,8 +97,11 @@ def main() -> None:
         x = torch.randn(max(ms), k, device="cuda", generator=g).bfloat16()
         floor_us = 1e6 * nbytes / args.bandwidth
         mb = nbytes / 1e6
-        print(f"\n{name}: K {k}, N {n}, {mb:.1f} MB of weight ({copies} copies), floor {floor_us:.1f} us")
+        head = f"{name}: K {k}, N {n}, {mb:.1f} MB of weight ({copies} copies), floor {floor_us:.1f} us"
+        print(f"\n{head}", flush=True)
         print(f"{'tiles':<18}" + "".join(f"{'M=' + str(m):>16}" for m in ms))
+        many = torch.randn(ROWS_CHECKED, k, device="cuda", generator=g).bfloat16()
+        trainer_rows = matmul(many, weights[0].t())  # the launcher's tiles at this M (a trainer's)
         for tiles in [None, *configs]:
             label = "launcher's" if tiles is None else ",".join(map(str, tiles))
             cells = []
@@ -95,20 +109,19 @@ def main() -> None:
                 a = x[:m]
                 chosen = tiles or _tiles_for(m, n)
                 try:
+                    # the bits: these M rows as the launcher computes them; ROWS_CHECKED rows
+                    # through these tiles against the trainer-sized launch (module docstring)
                     same = torch.equal(matmul(a, weights[0].t(), tiles=chosen), matmul(a, weights[0].t()))
+                    same = same and torch.equal(matmul(many, weights[0].t(), tiles=chosen), trainer_rows)
                     us = _call_us(a, weights, chosen, args.replays)
                 except Exception as exc:  # a tile that does not fit: say so, go on
                     cells.append("failed")
-                    rows.append(dict(shape=name, m=m, tiles=chosen, error=f"{type(exc).__name__}: {exc}"[:300]))
+                    record(dict(shape=name, m=m, tiles=chosen, error=f"{type(exc).__name__}: {exc}"[:300]))
                     continue
                 cells.append(f"{us:.1f}{'' if same else ' DIFF'} ({floor_us / us:.2f})")
-                rows.append(dict(shape=name, m=m, tiles=chosen, launcher=tiles is None, us=us, same=same))
-            print(f"{label:<18}" + "".join(f"{c:>16}" for c in cells))
+                record(dict(shape=name, m=m, tiles=chosen, launcher=tiles is None, us=us, same=same))
+            print(f"{label:<18}" + "".join(f"{c:>16}" for c in cells), flush=True)
     print("\ncells: us a call in a CUDA graph (of the floor); DIFF: other bits than the launcher's tiles")
-    if args.out:
-        with open(args.out, "w") as f:
-            meta = dict(device=torch.cuda.get_device_name(), bandwidth=args.bandwidth)
-            json.dump(dict(meta, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
