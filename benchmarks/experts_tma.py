@@ -1,33 +1,33 @@
-"""Prefill experts fed by TMA: same bits as `experts_triton`? Faster? (an experiment, CUDA sm_90+)
+"""Prefill experts fed by TMA: the same bits as the pointer-fed kernels? Faster? (CUDA sm_90+)
 
-    python benchmarks/experts_tma.py [--tokens 2048,4096,8192] [--configs "128,128,8,4;128,128,8,3"]
-        [--out experts_tma.json]
+    python benchmarks/experts_tma.py [--tokens 2048,4096,8192] [--configs "128,128,8,4;64,256,8,3"]
+        [--reps 20] [--out experts_tma.json]
 
 At prefill sizes `experts_triton`'s gate_up and down kernels (the table's (128, 128, 8, 4)
 tiles, row blocks in the grid) run at ~316 TFLOP/s on the H200, a third of the tensor peak
 (docs/perf-notes.md). Their A operand is gathered: gate_up loads x's rows through `order` (pair
 -> token) with pointer loads, and both kernels load the weight tiles as [BLOCK_K, BLOCK_N]
-pointer grids. This benchmark asks whether feeding the same MMAs by TMA closes that:
+pointer grids. `experts_triton.experts_tma` (the engine's path only with
+SAMEBITS_TMA_EXPERTS=1, `experts_triton.TMA_PREFILL`) feeds the same MMAs by TMA:
 
 - x is copied once into expert order (`x[order // top_k]`, one index_select: a copy, so
-  exact), and the gate_up kernel here loads its [BLOCK_M, BLOCK_K] x tiles and
-  [BLOCK_N, BLOCK_K] gate and up tiles with tensor descriptors; the down kernel loads the
-  intermediate (already in expert order) and its weight tiles the same way.
+  exact); gate_up loads [BLOCK_M, BLOCK_K] x tiles and [BLOCK_N, BLOCK_K] gate and up tiles
+  with tensor descriptors; down loads the intermediate (already in expert order) and its
+  weight tiles the same way.
 - Rows of a tile past its expert's last row belong to the next expert (or are TMA's zero
   fill past the tensor's end): their products are computed and never stored, and no stored
   element reads them, so each stored element is still one fp32 accumulator walking its K
-  from 0 up in BLOCK_K steps, one `tl.dot` a step, as in `experts_triton`.
-- The epilogues (silu(gate) * up with its roundings; the routing weight and the scatter to
-  the slot) are `experts_triton`'s (`store_gate_up`, `store_down`).
+  from 0 up in BLOCK_K steps, one `tl.dot` a step.
+- The epilogues are the pointer kernels' (`store_gate_up`, `store_down`).
 
 For each T (uniform random routing at the Qwen3-30B-A3B shape: 128 experts, top-8, H 2048,
-I 768, bf16) it checks that the intermediate and the weighted slot outputs equal
-`experts_triton.experts_forward(..., sum_slots=False)`'s bit for bit, and times (CUDA events,
-the mean of --reps calls back to back) the current kernels, the current kernels with gate_up reading the sorted
-copy of x (the gather alone, apart from TMA), and copy + the TMA kernels at each --configs tile
-(BLOCK_M, BLOCK_N, num_warps, num_stages), as TFLOP/s of 6 * pairs * H * I. Not used by the
-engine; if it wins with the same bits, the kernels move into `experts_triton` behind the
-tile table's prefill entry.
+I 768, bf16) it checks that the intermediate and the weighted slot outputs equal the pointer
+kernels' (`experts_forward(..., sum_slots=False)` with TMA off) bit for bit, and times (CUDA
+events, the mean of --reps calls back to back) the pointer kernels, the pointer kernels with
+gate_up reading the sorted copy of x (the gather's cost alone), and the TMA path at each
+--configs tile (BLOCK_M, BLOCK_N, num_warps, num_stages), as TFLOP/s of 6 * pairs * H * I,
+and the copy of x alone. If TMA wins with the same bits, TMA_PREFILL goes on (after the GPU
+test, the 48-layer probe and `samebits bench` prefill with it).
 """
 
 from __future__ import annotations
@@ -38,8 +38,6 @@ import json
 
 import torch
 import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from samebits.kernels import experts_triton
 from samebits.kernels.experts_tiles import BLOCK_K, TILES_FROM_PAIRS, tiles_for
@@ -48,72 +46,12 @@ E, TOP_K, H, INTER = 128, 8, 2048, 768
 LARGE_FROM_PAIRS = TILES_FROM_PAIRS[-1][0]  # the prefill entry (row blocks in the grid, large tiles)
 
 
-@triton.jit
-def gate_up_tma_kernel(
-    xs_desc, w_desc, h_ptr, offsets_ptr, H, INTER, stride_hn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
-):  # fmt: skip
-    """`experts_triton.gate_up_kernel` (rows in the grid) on x in expert order, by TMA."""
-    col0 = tl.program_id(1) * BLOCK_N
-    cols = col0 + tl.arange(0, BLOCK_N)
-    e, m_lo, m_hi, end = experts_triton._m_range(offsets_ptr, tl.program_id(0), BLOCK_M, True, E, E_PAD)
-    gate_row = e * (2 * INTER) + col0
-    for m0 in range(m_lo, m_hi, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        in_rows = rows < end
-        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            x = xs_desc.load([m0, k0])  # [BM, BK]
-            acc_gate = tl.dot(x, w_desc.load([gate_row, k0]).T, acc_gate)
-            acc_up = tl.dot(x, w_desc.load([gate_row + INTER, k0]).T, acc_up)
-        experts_triton.store_gate_up(acc_gate, acc_up, h_ptr, rows, in_rows, cols, INTER, stride_hn)
-
-
-@triton.jit
-def down_tma_kernel(
-    h_desc, w_desc, out_ptr, weights_ptr, order_ptr, offsets_ptr, H, INTER, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
-):  # fmt: skip
-    """`experts_triton.down_kernel` (rows in the grid), its operands by TMA."""
-    col0 = tl.program_id(1) * BLOCK_N
-    cols = col0 + tl.arange(0, BLOCK_N)
-    e, m_lo, m_hi, end = experts_triton._m_range(offsets_ptr, tl.program_id(0), BLOCK_M, True, E, E_PAD)
-    w_row = e * H + col0
-    for m0 in range(m_lo, m_hi, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        in_rows = rows < end
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, INTER, BLOCK_K):
-            acc = tl.dot(h_desc.load([m0, k0]), w_desc.load([w_row, k0]).T, acc)
-        experts_triton.store_down(acc, out_ptr, weights_ptr, order_ptr, rows, in_rows, cols, H, stride_on)
-
-
 def experts_tma(x, top_k_index, top_k_weights, gate_up, down, tiles):
-    """-> (intermediate [pairs, I] in expert order, weighted slot outputs [T, K, H] fp32)."""
+    """`experts_triton.experts_tma` at these tiles -> (intermediate, slot outputs [T, K, H])."""
     t, k = top_k_index.shape
-    e, two_i, h = gate_up.shape
-    i = two_i // 2
-    block_m, block_n, warps, stages = tiles
-    order, offsets = experts_triton._route(top_k_index, e)
-    xs = x.index_select(0, (order // k).long())  # x in expert order: one copy
-    inter = torch.empty(t * k, i, dtype=x.dtype, device=x.device)
-    rows_axis = triton.cdiv(t * k, block_m) + min(e, t * k)
-    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, E=e, E_PAD=triton.next_power_of_2(e))
-    gate_up_tma_kernel[(rows_axis, triton.cdiv(i, block_n))](
-        TensorDescriptor.from_tensor(xs, [block_m, BLOCK_K]),
-        TensorDescriptor.from_tensor(gate_up.view(e * two_i, h), [block_n, BLOCK_K]),
-        inter, offsets, h, i, inter.stride(0),
-        num_warps=warps, num_stages=stages, **consts,
-    )  # fmt: skip
-    per_slot = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
-    down_tma_kernel[(rows_axis, triton.cdiv(h, block_n))](
-        TensorDescriptor.from_tensor(inter, [block_m, BLOCK_K]),
-        TensorDescriptor.from_tensor(down.view(e * h, i), [block_n, BLOCK_K]),
-        per_slot, top_k_weights, order, offsets, h, i, per_slot.stride(0),
-        num_warps=warps, num_stages=stages, **consts,
-    )  # fmt: skip
-    return inter, per_slot.view(t, k, h)
+    order, offsets = experts_triton._route(top_k_index, gate_up.shape[0])
+    inter, per_slot = experts_triton.experts_tma(x, order, offsets, k, top_k_weights, gate_up, down, tiles)
+    return inter, per_slot.view(t, k, -1)
 
 
 def _inputs(t: int, g: torch.Generator):
@@ -147,6 +85,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";")]
+    experts_triton.TMA_PREFILL = False  # the reference arm: the pointer kernels, whatever the environment
     tokens_list = [int(v) for v in args.tokens.split(",")]
     small = [t for t in tokens_list if t * TOP_K < LARGE_FROM_PAIRS]
     if small:

@@ -310,6 +310,40 @@ print("OK")
 """
 
 
+_TMA_EXPERTS = """
+from samebits.kernels import experts_triton as et
+g = torch.Generator().manual_seed(0)
+E, K, H, I = 8, 2, 192, 96  # H and I past a BLOCK_K edge; I not a multiple of BLOCK_N
+for t, tiles in [(40, (16, 32, 4, 1)), (7, (32, 64, 4, 1))]:
+    x = torch.randn(t, H, generator=g).half()
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) / 8).half()
+    down = (torch.randn(E, H, I, generator=g) / 8).half()
+    w, index = torch.softmax(torch.randn(t, E, generator=g), -1).topk(K, -1)
+    w = w.half().contiguous()
+    pointer = et.experts_forward(x, index, w, gate_up, down, tiles=tiles, m_in_grid=True, sum_slots=False)
+    et.TMA_PREFILL, et.TMA_FROM_PAIRS, et.m_in_grid_for = True, 0, lambda pairs: True
+    tma = et.experts_forward(x, index, w, gate_up, down, tiles=tiles, sum_slots=False)
+    summed = et.experts_forward(x, index, w, gate_up, down, tiles=tiles)
+    flipped = et.experts_forward(x.flip(1).contiguous(), index, w, gate_up.flip(2).contiguous(), down,
+                                 tiles=tiles, sum_slots=False)
+    et.TMA_PREFILL = False
+    assert torch.equal(tma, pointer), (t, tiles)
+    assert torch.equal(summed, et.slot_sum(pointer, x.dtype))
+    assert not torch.equal(flipped, pointer)  # control: another K order
+print("OK")
+"""
+
+
+def test_prefill_experts_fed_by_tma_give_the_pointer_kernels_bits_in_tritons_interpreter():
+    """`experts_triton.experts_tma` (x copied into expert order, operand tiles by tensor
+    descriptors, the TMA_PREFILL path of `experts_forward`) = the pointer-fed kernels at the
+    same tiles, bit for bit, in Triton's CPU interpreter (fp16; K and N edges, rows of the next
+    expert inside a tile), summed or not. Control: x and gate_up with their hidden dim reversed
+    (the same products in another K order) give other bits. (The interpreter's dot is numpy's,
+    so there only equal tiles are compared; the GPU test compares the table's tiles.)"""
+    run_interpreted(_TMA_EXPERTS)
+
+
 def test_split_attention_merged_in_its_last_program_gives_the_combine_launchs_bits_in_tritons_interpreter():
     """A split attention call whose chunks are merged by the last chunk program of each
     (sequence, kv head) to finish (`merge_last`: a ticket counter) = the same call merged by
