@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 
 import torch
 import triton
 
+from samebits.bench.report import RowLog
 from samebits.kernels import experts_triton
 from samebits.kernels.experts_tiles import BLOCK_K, TILES_FROM_PAIRS, tiles_for
 
@@ -91,13 +91,7 @@ def main() -> None:
     if small:
         raise SystemExit(f"--tokens {small}: below the prefill tiles' entry ({LARGE_FROM_PAIRS} pairs)")
     g = torch.Generator(device="cuda").manual_seed(0)
-    rows = []
-
-    def record(row: dict) -> None:  # written after every row, so a stopped run keeps what it measured
-        rows.append(row)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    record = RowLog(args.out, device=torch.cuda.get_device_name()).add
 
     print(f"{'T':>6} {'arm':<28} {'us':>9} {'TFLOP/s':>8}  same bits (intermediate, slots)", flush=True)
     for t in tokens_list:

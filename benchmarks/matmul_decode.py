@@ -28,10 +28,10 @@ with --out after every row. A configuration that wins with the same bits goes in
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
+from samebits.bench.report import RowLog
 from samebits.kernels.matmul_triton import _tiles_for, matmul
 
 SHAPES = {  # name -> (K, N) of the Qwen3-30B-A3B decode GEMMs
@@ -80,14 +80,7 @@ def main() -> None:
     ms = [int(v) for v in args.ms.split(",")]
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";")]
     g = torch.Generator(device="cuda").manual_seed(0)
-    rows = []
-
-    def record(row: dict) -> None:  # written after every row, so a stopped run keeps what it measured
-        rows.append(row)
-        if args.out:
-            with open(args.out, "w") as f:
-                meta = dict(device=torch.cuda.get_device_name(), bandwidth=args.bandwidth)
-                json.dump(dict(meta, rows=rows), f, indent=1)
+    record = RowLog(args.out, device=torch.cuda.get_device_name(), bandwidth=args.bandwidth).add
 
     for name in args.shapes.split(","):
         k, n = SHAPES[name]

@@ -52,3 +52,23 @@ def test_bench_cli_names_the_bad_option_before_any_work(argv, field, tmp_path, c
     assert exit_.value.code == 2
     assert field in capsys.readouterr().err
     assert not (tmp_path / "ckpt").exists()  # refused before the checkpoint is written
+
+
+def test_row_log_rewrites_its_json_after_every_row(tmp_path):
+    """`RowLog` (the benchmarks' partial results): after each row the file holds the meta and
+    every row so far, and no temporary file is left; without a path it writes nothing."""
+    import json
+
+    from samebits.bench.report import RowLog
+
+    path = tmp_path / "rows.json"
+    log = RowLog(path, device="cpu")
+    assert not path.exists()
+    log.add({"arm": "a", "us": 1.5})
+    assert json.loads(path.read_text()) == {"device": "cpu", "rows": [{"arm": "a", "us": 1.5}]}
+    log.add({"arm": "b", "error": "x"})
+    assert [r["arm"] for r in json.loads(path.read_text())["rows"]] == ["a", "b"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]
+    quiet = RowLog(None, device="cpu")
+    quiet.add({"arm": "a"})
+    assert quiet.rows == [{"arm": "a"}] and sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]

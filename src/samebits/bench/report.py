@@ -154,6 +154,22 @@ def write_outputs(result: BenchResult, out: Path, plot: bool = True) -> list[Pat
     return written
 
 
+class RowLog:
+    """A benchmark's measured rows, rewritten as JSON ({**meta, "rows": [...]}) to `path` after
+    each one (atomically), so a run stopped part way keeps what it measured; no file where
+    `path` is None."""
+
+    def __init__(self, path: str | Path | None, **meta):
+        self.path = Path(path) if path else None
+        self.meta = meta
+        self.rows: list[dict] = []
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        if self.path is not None:
+            _replace(self.path, json.dumps({**self.meta, "rows": self.rows}, indent=1))
+
+
 def _replace(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("w", newline="") as f:
