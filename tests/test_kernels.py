@@ -313,7 +313,7 @@ print("OK")
 _TMA_EXPERTS = """
 from samebits.kernels import experts_triton as et
 g = torch.Generator().manual_seed(0)
-E, K, H, I = 8, 2, 192, 96  # H and I past a BLOCK_K edge; I not a multiple of BLOCK_N
+E, K, H, I = 8, 2, 200, 88  # H and I past a BLOCK_K edge, neither a multiple of BLOCK_N
 for t, tiles in [(40, (16, 32, 4, 1)), (7, (32, 64, 4, 1))]:
     x = torch.randn(t, H, generator=g).half()
     gate_up = (torch.randn(E, 2 * I, H, generator=g) / 8).half()
@@ -330,6 +330,44 @@ for t, tiles in [(40, (16, 32, 4, 1)), (7, (32, 64, 4, 1))]:
     assert torch.equal(tma, pointer), (t, tiles)
     assert torch.equal(summed, et.slot_sum(pointer, x.dtype))
     assert not torch.equal(flipped, pointer)  # control: another K order
+# one program alone: the row block of an expert with fewer rows than BLOCK_M, whose tile runs
+# into the next expert's rows, outputs filled with NaN first, stores that expert's rows only.
+# (The interpreter runs programs one after another: in a full launch a later program would
+# overwrite rows stored wrongly.) Earlier experts are given no rows, so it is block 0.
+from triton.tools.tensor_descriptor import TensorDescriptor
+t, bm, bn = 40, 16, 32
+x = torch.randn(t, H, generator=g).half()
+gate_up = (torch.randn(E, 2 * I, H, generator=g) / 8).half()
+down = (torch.randn(E, H, I, generator=g) / 8).half()
+w, index = torch.softmax(torch.randn(t, E, generator=g), -1).topk(K, -1)
+w = w.half().contiguous()
+order, offsets = et._route(index, E)
+sizes = offsets[1:] - offsets[:-1]
+first = int(torch.nonzero((sizes > 0) & (sizes < bm))[0])
+start, end = int(offsets[first]), int(offsets[first + 1])
+assert int(offsets[-1]) > end  # later experts' rows follow inside its tile
+alone = offsets.clone()
+alone[: first + 1] = start
+want_inter, want_slots = et.experts_tma(x, order, offsets, K, w, gate_up, down, (bm, bn, 4, 1))
+consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64, E=E, E_PAD=E, num_warps=4, num_stages=1)
+inter = torch.full((t * K, I), float("nan"), dtype=x.dtype)
+et.gate_up_tma_kernel[(1, triton.cdiv(I, bn))](
+    TensorDescriptor.from_tensor(x.index_select(0, order // K), [bm, 64]),
+    TensorDescriptor.from_tensor(gate_up.view(E * 2 * I, H), [bn, 64]),
+    inter, alone, H, I, inter.stride(0), **consts,
+)
+assert torch.equal(inter[start:end], want_inter[start:end]) and inter[end:].isnan().all()
+slots = torch.full((t * K, H), float("nan"))
+et.down_tma_kernel[(1, triton.cdiv(H, bn))](
+    TensorDescriptor.from_tensor(want_inter, [bm, 64]),
+    TensorDescriptor.from_tensor(down.view(E * H, I), [bn, 64]),
+    slots, w, order, alone, H, I, slots.stride(0), **consts,
+)
+mine = order[start:end].long()
+assert torch.equal(slots[mine], want_slots[mine])
+others = torch.ones(t * K, dtype=torch.bool)
+others[mine] = False
+assert slots[others].isnan().all()
 print("OK")
 """
 
@@ -340,7 +378,9 @@ def test_prefill_experts_fed_by_tma_give_the_pointer_kernels_bits_in_tritons_int
     same tiles, bit for bit, in Triton's CPU interpreter (fp16; K and N edges, rows of the next
     expert inside a tile), summed or not. Control: x and gate_up with their hidden dim reversed
     (the same products in another K order) give other bits. (The interpreter's dot is numpy's,
-    so there only equal tiles are compared; the GPU test compares the table's tiles.)"""
+    so there only equal tiles are compared; the GPU test compares the table's tiles.) And one
+    program alone, on an expert whose tile runs into the next expert's rows, stores only its
+    own rows (outputs filled with NaN first)."""
     run_interpreted(_TMA_EXPERTS)
 
 

@@ -321,14 +321,22 @@ def down_tma_kernel(
 
 
 def tma_prefill_fits(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, pairs: int) -> bool:
-    """Whether `experts_forward` takes the TMA path (`TMA_PREFILL`): on, a prefill-sized call
-    (the large tiles' entry), CUDA of compute capability 9.0+ (not ROCm; or Triton's
-    interpreter), contiguous expert weights, and the 16-byte row strides TMA needs."""
+    """Whether `experts_forward` takes the TMA path (`TMA_PREFILL`): on; a prefill-sized call
+    (the large tiles' entry), not inside a CUDA graph capture (decode steps, even past 8192
+    pairs, keep the pointer kernels); CUDA of compute capability 9.x (the Hopper wgmma path
+    the bits were argued for; not ROCm) or Triton's interpreter; contiguous expert weights at
+    16-byte aligned addresses, and the 16-byte row strides TMA needs. Costs pairs x H x 2 bytes
+    more memory than the pointer kernels (the copy of x), ~270 MB at 16k tokens of top-8."""
     if not (TMA_PREFILL and pairs >= TMA_FROM_PAIRS and m_in_grid_for(pairs)):
         return False
-    if not _INTERPRET and (torch.version.hip is not None or torch.cuda.get_device_capability(x.device)[0] < 9):
-        return False
+    if not _INTERPRET:
+        if torch.version.hip is not None or torch.cuda.get_device_capability(x.device)[0] != 9:
+            return False
+        if torch.cuda.is_current_stream_capturing():
+            return False
     if not (gate_up.is_contiguous() and down.is_contiguous()):
+        return False
+    if gate_up.data_ptr() % 16 or down.data_ptr() % 16:
         return False
     e, two_i, h = gate_up.shape
     return all(n * x.element_size() % 16 == 0 for n in (h, two_i // 2))
@@ -347,7 +355,7 @@ def experts_tma(
     i = two_i // 2
     pairs = order.numel()
     block_m, block_n, warps, stages = tiles
-    xs = x.index_select(0, (order // top_k).long())  # x in expert order: one copy, exact
+    xs = x.index_select(0, order // top_k)  # x in expert order (int32 ids): one copy, exact
     inter = torch.empty(pairs, i, dtype=x.dtype, device=x.device)
     rows_axis = triton.cdiv(pairs, block_m) + min(e, pairs)
     consts = dict(
