@@ -36,11 +36,10 @@ import argparse
 import functools
 
 import torch
-import triton
 
 from samebits.bench.report import RowLog
 from samebits.kernels import experts_triton
-from samebits.kernels.experts_tiles import BLOCK_K, TILES_FROM_PAIRS, tiles_for
+from samebits.kernels.experts_tiles import TILES_FROM_PAIRS, tiles_for
 
 E, TOP_K, H, INTER = 128, 8, 2048, 768
 LARGE_FROM_PAIRS = TILES_FROM_PAIRS[-1][0]  # the prefill entry (row blocks in the grid, large tiles)
@@ -129,35 +128,19 @@ def main() -> None:
 
 
 def experts_pointer(x, top_k_index, top_k_weights, gate_up, down, tiles, sorted_x: bool):
-    """`experts_triton`'s two kernels with rows in the grid -> (intermediate, slot outputs
+    """`experts_triton.experts_pointer` with rows in the grid -> (intermediate, slot outputs
     [T, K, H]); `sorted_x`: gate_up reads x copied into expert order (contiguous rows, an
-    identity order) instead of gathering its rows through `order`: the gather alone, apart
-    from TMA."""
+    identity order) instead of gathering its rows through `order`: the gather's cost alone,
+    apart from TMA."""
     t, k = top_k_index.shape
-    e, two_i, h = gate_up.shape
-    i = two_i // 2
-    block_m, block_n, warps, stages = tiles
-    order, offsets = experts_triton._route(top_k_index, e)
-    a, a_order = x, order
+    order, offsets = experts_triton._route(top_k_index, gate_up.shape[0])
+    x_order = None
     if sorted_x:
-        a = x.index_select(0, (order // k).long())
-        a_order = torch.arange(0, t * k * k, k, dtype=torch.int32, device=x.device)  # token = row
-    inter = torch.empty(t * k, i, dtype=x.dtype, device=x.device)
-    rows_axis = triton.cdiv(t * k, block_m) + min(e, t * k)
-    consts = dict(
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages,
-        M_IN_GRID=True, E=e, E_PAD=triton.next_power_of_2(e),
-    )  # fmt: skip
-    experts_triton.gate_up_kernel[(rows_axis, triton.cdiv(i, block_n))](
-        a, gate_up, inter, a_order, offsets, h, i, k, a.stride(0), gate_up.stride(0), gate_up.stride(1),
-        inter.stride(0), **consts,
-    )  # fmt: skip
-    per_slot = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
-    experts_triton.down_kernel[(rows_axis, triton.cdiv(h, block_n))](
-        inter, down, per_slot, top_k_weights, order, offsets, h, i, inter.stride(0), down.stride(0),
-        down.stride(1), per_slot.stride(0), **consts,
-    )  # fmt: skip
-    return inter, per_slot.view(t, k, h)
+        x = x.index_select(0, order // k)
+        x_order = torch.arange(0, t * k * k, k, dtype=torch.int32, device=x.device)  # token = row
+    args = (x, order, offsets, k, top_k_weights, gate_up, down, tiles, True)
+    inter, per_slot = experts_triton.experts_pointer(*args, x_order=x_order)
+    return inter, per_slot.view(t, k, -1)
 
 
 if __name__ == "__main__":

@@ -404,67 +404,54 @@ def experts_forward(
     t, k = top_k_index.shape
     block_m, block_n, warps, stages = tiles or tiles_for(t * k)
     stages = _stages_that_fit(hidden_states.device, block_m, block_n, block_k, stages)
-    e, two_i, h = gate_up_proj.shape
-    i = two_i // 2
+    h = gate_up_proj.shape[2]
     if t == 0:
         return hidden_states.new_zeros(0, h) if sum_slots else torch.zeros(0, k, h, device=hidden_states.device)
-    order, offsets = _route(top_k_index, e)
+    order, offsets = _route(top_k_index, gate_up_proj.shape[0])
+    tiles = (block_m, block_n, warps, stages)
+    args = (hidden_states, order, offsets, k, top_k_weights, gate_up_proj, down_proj, tiles)
     tma = m_in_grid is None and block_k == BLOCK_K
     if tma and tma_prefill_fits(hidden_states, gate_up_proj, down_proj, t * k):  # TMA_PREFILL
-        args = (hidden_states, order, offsets, k, top_k_weights, gate_up_proj, down_proj)
-        per_slot = experts_tma(*args, (block_m, block_n, warps, stages))[1].view(t, k, h)
-        return per_slot if not sum_slots else slot_sum(per_slot, hidden_states.dtype)
-    in_grid = m_in_grid_for(t * k) if m_in_grid is None else m_in_grid
-    # M_IN_GRID: an expert's blocks are floor(its pairs / BLOCK_M), plus one partial block if it
-    # has pairs at all, so at most cdiv(pairs, BLOCK_M) + min(E, pairs) blocks (9 at one token)
-    rows_axis = triton.cdiv(t * k, block_m) + min(e, t * k) if in_grid else e
-    grid_m = dict(M_IN_GRID=in_grid, E=e, E_PAD=triton.next_power_of_2(e))
-    inter = torch.empty(t * k, i, dtype=hidden_states.dtype, device=hidden_states.device)
-    gate_up_kernel[(rows_axis, triton.cdiv(i, block_n))](
-        hidden_states,
-        gate_up_proj,
-        inter,
-        order,
-        offsets,
-        h,
-        i,
-        k,
-        hidden_states.stride(0),
-        gate_up_proj.stride(0),
-        gate_up_proj.stride(1),
-        inter.stride(0),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=warps,
-        num_stages=stages,
-        **grid_m,
-        **launch_args(hidden_states.device),
-    )
-    per_slot = torch.empty(t * k, h, dtype=torch.float32, device=hidden_states.device)
-    down_kernel[(rows_axis, triton.cdiv(h, block_n))](
-        inter,
-        down_proj,
-        per_slot,
-        top_k_weights,
-        order,
-        offsets,
-        h,
-        i,
-        inter.stride(0),
-        down_proj.stride(0),
-        down_proj.stride(1),
-        per_slot.stride(0),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=warps,
-        num_stages=stages,
-        **grid_m,
-        **launch_args(hidden_states.device),
-    )
+        per_slot = experts_tma(*args)[1]
+    else:
+        in_grid = m_in_grid_for(t * k) if m_in_grid is None else m_in_grid
+        per_slot = experts_pointer(*args, in_grid, block_k)[1]
     per_slot = per_slot.view(t, k, h)
     return per_slot if not sum_slots else slot_sum(per_slot, hidden_states.dtype)
+
+
+def experts_pointer(
+    x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, top_k: int, top_k_weights: torch.Tensor,
+    gate_up: torch.Tensor, down: torch.Tensor, tiles: tuple[int, int, int, int], in_grid: bool,
+    block_k: int = BLOCK_K, x_order: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`experts_forward`'s two pointer-fed launches for routed pairs (`_route`'s order and
+    offsets) -> (intermediate [pairs, I] in expert order, weighted slot outputs [pairs, H]
+    fp32). `in_grid`: the row blocks in the launch grid (`_m_range`). `x_order`: the order
+    gate_up reads x's rows through (token = x_order // top_k; default `order`):
+    benchmarks/experts_tma.py passes x already in expert order and an identity order."""
+    e, two_i, h = gate_up.shape
+    i = two_i // 2
+    pairs = order.numel()
+    block_m, block_n, warps, stages = tiles
+    # M_IN_GRID: an expert's blocks are floor(its pairs / BLOCK_M), plus one partial block if it
+    # has pairs at all, so at most cdiv(pairs, BLOCK_M) + min(E, pairs) blocks (9 at one token)
+    rows_axis = triton.cdiv(pairs, block_m) + min(e, pairs) if in_grid else e
+    consts = dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        M_IN_GRID=in_grid, E=e, E_PAD=triton.next_power_of_2(e), **launch_args(x.device),
+    )  # fmt: skip
+    inter = torch.empty(pairs, i, dtype=x.dtype, device=x.device)
+    gate_up_kernel[(rows_axis, triton.cdiv(i, block_n))](
+        x, gate_up, inter, order if x_order is None else x_order, offsets, h, i, top_k,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0), **consts,
+    )  # fmt: skip
+    per_slot = torch.empty(pairs, h, dtype=torch.float32, device=x.device)
+    down_kernel[(rows_axis, triton.cdiv(h, block_n))](
+        inter, down, per_slot, top_k_weights, order, offsets, h, i,
+        inter.stride(0), down.stride(0), down.stride(1), per_slot.stride(0), **consts,
+    )  # fmt: skip
+    return inter, per_slot
 
 
 SLOT_BLOCK_H = 512
