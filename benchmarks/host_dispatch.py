@@ -62,6 +62,7 @@ def main() -> None:
     from rich.table import Table
 
     from samebits.kernels import matmul_triton as mt
+    from samebits.kernels.matmul_tiles import tiles_for
     from samebits.numerics.batch_invariant import batch_invariant
 
     ops = ops_under_test()
@@ -79,7 +80,7 @@ def main() -> None:
     wt = torch.randn(256, 512, device="cuda").bfloat16()
     direct = per_call_us(lambda: mt.matmul(x, wt))
     c = torch.empty(16, 512, device="cuda", dtype=torch.bfloat16)
-    bm, bn, warps, stages = mt._tiles_for(16, 512)
+    bm, bn, warps, stages = tiles_for(16, 512)
     grid = (triton.cdiv(16, bm) * triton.cdiv(512, bn),)
 
     def raw(kernel=mt.matmul_kernel):

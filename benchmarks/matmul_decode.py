@@ -22,7 +22,7 @@ that M, and 4096 rows through it against the launcher's 4096-row (trainer-sized)
 outputs hide most fp32 differences, so a few rows alone would rarely show another K order).
 Prints us a call and the fraction of the floor (weight bytes over --bandwidth); writes JSON
 with --out after every row. A configuration that wins with the same bits goes into
-`matmul_triton._tiles_for` by (M, N).
+`matmul_tiles.tiles_for` by (M, N).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import argparse
 import torch
 
 from samebits.bench.report import RowLog
-from samebits.kernels.matmul_triton import _tiles_for, matmul
+from samebits.kernels.matmul_tiles import tiles_for
+from samebits.kernels.matmul_triton import matmul
 
 SHAPES = {  # name -> (K, N) of the Qwen3-30B-A3B decode GEMMs
     "q+k+v": (2048, 5120),
@@ -100,7 +101,7 @@ def main() -> None:
             cells = []
             for m in ms:
                 a = x[:m]
-                chosen = tiles or _tiles_for(m, n)
+                chosen = tiles or tiles_for(m, n)
                 try:
                     # the bits: these M rows as the launcher computes them; ROWS_CHECKED rows
                     # through these tiles against the trainer-sized launch (module docstring)

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from samebits.kernels.attention_plan import BLOCK_M, BLOCK_Q, DECODE_LAUNCH, DECODE_LAUNCH_MANY, LAUNCH, plan
+from samebits.kernels.attention_plan import (
+    BLOCK_M,
+    BLOCK_Q,
+    DECODE_LAUNCH,
+    DECODE_LAUNCH_MANY,
+    LAUNCH,
+    SPLIT_DECODE_LAUNCH,
+    plan,
+)
 
 BF16 = torch.bfloat16
 H200_SMS = 132
@@ -58,7 +66,8 @@ def test_forced_paths_the_call_cannot_take_are_refused():
 @pytest.mark.parametrize(
     "max_q_len,batch,launch",
     [
-        (1, 1, LAUNCH),  # split decode
+        (1, 1, SPLIT_DECODE_LAUNCH),  # split decode in transposed tiles
+        (1, 32, SPLIT_DECODE_LAUNCH),  # 128 programs: still split
         (1, 33, DECODE_LAUNCH),  # transposed, one program: 132 programs, one a SM
         (1, 131, DECODE_LAUNCH),  # 524 programs: under 4 a SM
         (1, 132, DECODE_LAUNCH_MANY),  # 528: 4 a SM, two warps each
@@ -69,7 +78,8 @@ def test_forced_paths_the_call_cannot_take_are_refused():
 )
 def test_the_launch_follows_the_path_and_the_programs_a_sm(max_q_len, batch, launch):
     """(warps, stages): two warps for transposed one-program decode from 4 programs a SM, four
-    below it; prefill, the trainer and split decode keep `LAUNCH`. (Their bits are the same at
+    below it; split decode in transposed tiles `SPLIT_DECODE_LAUNCH`; prefill and the trainer
+    keep `LAUNCH`. (Their bits are the same at
     every launch at the compared layout: the GPU tests compare each.)"""
     p = _plan(max_q_len, batch)
     assert (p.warps, p.stages) == launch

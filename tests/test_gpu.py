@@ -22,12 +22,14 @@ def test_triton_matmul_row_invariant_and_close_to_float64(dtype, k, n):
     a = torch.randn(300, k, device="cuda", generator=_g(0)).to(dtype)  # 300 > 256: the large tiles
     w = torch.randn(n, k, device="cuda", generator=_g(1)).to(dtype)  # nn.Linear layout
     full = matmul(a, w.t())
-    for m in (1, 2, 7, 64, 65, 128, 257):  # across both tile switches (M > 256; wide N: M > 64)
+    for m in (1, 2, 7, 16, 17, 64, 65, 128, 257):  # across the tile switches (16, 64, 256; wide N: M > 64)
         for start in (0, 300 - m):
             assert torch.equal(matmul(a[start : start + m], w.t()), full[start : start + m]), (
                 m,
                 start,
             )
+    # Control: the same sum in another K order gives other bits, which the comparison above sees.
+    assert not torch.equal(matmul(a.flip(1), w.flip(1).t()), full)
     want = a.double() @ w.double().t()
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-3  # fp32: K * eps * |x|; TF32 is tested below
     err = ((full.double() - want).abs() / (want.abs() + 1)).max().item()

@@ -211,10 +211,10 @@ def test_transposed_tiles_give_the_bits_of_normal_tiles():
         table.expand(rows, -1).contiguous(), torch.arange(rows, **i32), torch.ones(rows, **i32),
         (pos + 1).to(torch.int32),
     )  # fmt: skip
-    from samebits.kernels.attention_plan import DECODE_LAUNCH, DECODE_LAUNCH_MANY, LAUNCH
+    from samebits.kernels.attention_plan import DECODE_LAUNCH, DECODE_LAUNCH_MANY, LAUNCH, SPLIT_DECODE_LAUNCH
 
     want = attention(q, kc, vc, table, *_int(0, s, s), s, scale, 16)  # the trainer's path and launch
-    for launch in (DECODE_LAUNCH, DECODE_LAUNCH_MANY, LAUNCH):  # the plan's launches: the same bits
+    for launch in (DECODE_LAUNCH, DECODE_LAUNCH_MANY, LAUNCH, SPLIT_DECODE_LAUNCH):  # the plan's: the same bits
         out = attention(
             q[pos].contiguous(), kc, vc, *meta, 1, scale, 16, split=False, transposed=True, launch=launch
         )

@@ -124,6 +124,30 @@ def test_matmul_ref_bits_do_not_follow_the_layout_of_b():
         assert not torch.equal(matmul_ref(a, w.t()), torch.mm(tile, w.t().contiguous())[:5])
 
 
+@pytest.mark.parametrize(
+    "m,n,want",
+    [
+        (1, 5120, (16, 16, 2, 8)),  # decode q+k+v: 16 x 16 tiles up to 16 rows
+        (16, 2048, (16, 16, 2, 8)),
+        (17, 2048, (64, 16, 4, 8)),  # o_proj and the router up to 64 rows: 16 columns a tile
+        (64, 128, (64, 16, 4, 8)),
+        (64, 5120, (64, 32, 4, 6)),  # q+k+v past 16 rows
+        (65, 2048, (64, 32, 4, 6)),
+        (256, 2048, (64, 32, 4, 6)),
+        (257, 2048, (128, 128, 8, 3)),  # prefill, the trainer
+        (1, 151936, (64, 32, 4, 6)),  # the lm_head: 64 x 32 up to 64 rows, then the large tiles
+        (64, 151936, (64, 32, 4, 6)),
+        (65, 151936, (128, 128, 8, 3)),
+    ],
+)
+def test_the_cuda_matmul_picks_its_tiles_by_m_and_n(m, n, want):
+    """(BLOCK_M, BLOCK_N, warps, stages) of `matmul_triton.matmul`; BLOCK_K is one constant, so
+    no choice here moves a row's K order (the GPU test compares rows across these switches)."""
+    from samebits.kernels.matmul_tiles import tiles_for
+
+    assert tiles_for(m, n) == want
+
+
 def test_batch_invariant_mode_routes_linear_through_the_kernel():
     w = torch.randn(384, 96, generator=_g(5))
     x = torch.randn(8, 96, generator=_g(6))

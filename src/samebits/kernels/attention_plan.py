@@ -36,8 +36,12 @@ _COMPARED = tuple(TRANSPOSED_SHAPE.values())
 # a SM to hide each other's loads. Below that the launch stays (4, 3): (4, 2) was faster alone
 # but the one end-to-end run with it gave batch 64 19.35 ms a token against 19.11 with (4, 3),
 # within a lease's spread and not yet separated.
-LAUNCH = (4, 3)  # 64-row tiles (prefill, the trainer) and split decode
+LAUNCH = (4, 3)  # 64-row tiles (prefill, the trainer) and split decode in 64-row tiles
 DECODE_LAUNCH = (4, 3)  # transposed, one program per sequence and kv head
+# Split decode in transposed tiles, merged in the last program: H200, 1024 keys, CUDA graph
+# (attention_configs.py --launches, fifteenth session), (4, 2) 10.3 / 10.6 / 14.6 us against
+# (4, 3) 12.7 / 12.9 / 16.9 at 1 / 4 / 16 sequences, the same bits.
+SPLIT_DECODE_LAUNCH = (4, 2)
 DECODE_LAUNCH_MANY = (2, 2)  # the same from MANY_PROGRAMS_PER_SM programs a SM
 MANY_PROGRAMS_PER_SM = 4
 
@@ -100,7 +104,8 @@ def plan(
     H200 in a CUDA graph at 4 kv heads and 1024 keys (docs/perf-notes.md, ninth session): the
     split wins up to 32 sequences in either orientation (transposed 37.1 vs 44.3 us, 64 rows
     41.0 vs 47.6) and loses from 64 (56.8 vs 52.1, 70.2 vs 55.8). The launch (warps, stages):
-    `LAUNCH`, or for transposed tiles in one program `DECODE_LAUNCH` / `DECODE_LAUNCH_MANY`;
+    `LAUNCH`, or for transposed tiles `SPLIT_DECODE_LAUNCH` split and in one program
+    `DECODE_LAUNCH` / `DECODE_LAUNCH_MANY`;
     a split call in transposed tiles merges in its last program (`MERGE_LAST`; above). A forced
     choice the call cannot take raises ValueError."""
     fits = max_q_len * _pow2(group) <= BLOCK_Q and _COMPARED == (group, head_dim, dtype)  # no strings: hot path
@@ -117,6 +122,8 @@ def plan(
     elif split and not one_tile:
         raise ValueError(f"attention: split needs at most {tokens} queries per sequence, got {max_q_len}")
     launch = LAUNCH
-    if transposed and not split:
+    if transposed and split:
+        launch = SPLIT_DECODE_LAUNCH
+    elif transposed:
         launch = DECODE_LAUNCH_MANY if batch * kv_heads >= MANY_PROGRAMS_PER_SM * sms else DECODE_LAUNCH
     return Plan(transposed, split, rows, tokens, *launch, merge_last=split and transposed and MERGE_LAST)

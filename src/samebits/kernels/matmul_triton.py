@@ -16,18 +16,11 @@ import triton
 import triton.language as tl
 
 from samebits.kernels.launch import fast_launch
+from samebits.kernels.matmul_tiles import tiles_for
 from samebits.kernels.pdl import launch_args, pdl_release, pdl_wait
 
 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M = 64, 128, 64, 8
 NUM_WARPS, NUM_STAGES = 4, 4
-# (BLOCK_M, BLOCK_N, warps, stages) by M. BLOCK_K is the same for every entry: measured on
-# the H200 (benchmarks/matmul_configs.py), these choices give identical bits for every row;
-# narrow N tiles give small-M GEMMs enough programs to fill the SMs.
-TILES_BY_M = ((256, (64, 32, 4, 6)), (None, (128, 128, 8, 3)))
-# A wide output (the lm_head, N = 151,936) has programs enough at any M; past M = 64 the
-# narrow tiles re-read its weights once per 64 rows: 674 us at M = 256 vs 348 us with the
-# large tiles (H200, matmul_configs.py, 2026-12-03; same bits).
-WIDE_N, WIDE_FROM_M = 16384, 65
 FP32_BLOCK_K = 32  # fp32 tiles are twice the bytes; fixed per dtype, so per row it never changes
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -100,7 +93,8 @@ def matmul(
 
     Each row's bits are independent of M. a and b share one dtype (bf16, fp16, fp32).
     `tiles` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the fixed
-    configuration for experiments (benchmarks/matmul_configs.py); BLOCK_K never changes.
+    configuration (`matmul_tiles.tiles_for`'s) for experiments (benchmarks/matmul_configs.py);
+    BLOCK_K never changes.
     """
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"matmul needs (M, K) @ (K, N), got {tuple(a.shape)} @ {tuple(b.shape)}")
@@ -119,7 +113,7 @@ def matmul(
         raise ValueError(f"bias must be a CUDA tensor of shape ({n},), got {tuple(bias.shape)}")
     ieee = a.dtype == torch.float32
     block_k = FP32_BLOCK_K if ieee else BLOCK_K
-    block_m, block_n, warps, stages = tiles or _tiles_for(m, n)
+    block_m, block_n, warps, stages = tiles or tiles_for(m, n)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     matmul_kernel[grid](
         a,
@@ -146,15 +140,6 @@ def matmul(
         **launch_args(a.device),
     )
     return c
-
-
-def _tiles_for(m: int, n: int) -> tuple[int, int, int, int]:
-    if n >= WIDE_N and m >= WIDE_FROM_M:
-        return TILES_BY_M[-1][1]
-    for limit, tiles in TILES_BY_M:
-        if limit is None or m <= limit:
-            return tiles
-    raise AssertionError("TILES_BY_M must end with a catch-all entry")
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
