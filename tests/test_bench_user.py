@@ -193,6 +193,33 @@ def test_bench_cli_refuses_bad_user_flags(argv, field, tmp_path, capsys):
     assert field in capsys.readouterr().err
 
 
+def test_bench_cli_runs_the_rl_arms_before_this_process_holds_gpu_memory(tiny, tmp_path, monkeypatch):
+    """`--rl` runs its arms (each in its own process) before the engine and trainer arms load
+    anything here: on the H200 at 48 layers an RL run after them was refused memory that this
+    process kept cached. The partial JSON written after each arm carries the RL result."""
+    import torch
+
+    from samebits.cli import main
+    from samebits.rl import arms as rl_arms
+
+    calls = []
+    ratio = {"on_policy_s": 1.0, "stock_s": 1.0, "ratio": 1.0, "steps": 1, "shape": "s"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(rl_arms, "bench_ratio", lambda model, steps: calls.append("rl") or ratio)
+
+    def run(model, on_progress, **kw):
+        calls.append("arms")
+        result = bench.BenchResult(meta={"device": "d", "copy_GBps": 1.0, "model": str(model)})
+        on_progress(result)
+        assert json.loads((tmp_path / "out" / "bench.json").read_text())["rl_step"] == ratio
+        return result
+
+    monkeypatch.setattr(bench, "run", run)
+    assert main(["bench", "--model", str(tiny), "--arms", "exact", "--rl", "--out", str(tmp_path / "out")]) == 0
+    assert calls == ["rl", "arms"]
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["rl_step"] == ratio
+
+
 def test_rl_step_ratio_of_the_on_policy_and_stock_loops(tiny):
     from samebits.rl import arms as bench_rl
 

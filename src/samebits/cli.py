@@ -349,10 +349,22 @@ def _bench(args) -> int:
     if model is None:
         print(f"writing a random Qwen3-30B-A3B-shaped checkpoint, {args.layers} layers, to {args.dir}")
         model = bench.write_random_checkpoint(Path(args.dir), args.layers, seed=0)
+        bench.free_memory()  # the generator's blocks, cached by this process
     rollout = (args.num_prompts, args.input_len, args.output_len) if args.num_prompts else None
     out = Path(args.out)
+    rl_step = None
+    if args.rl:
+        # First, while this process holds no GPU memory: each arm runs in its own process with
+        # the engine and the trainer's model side by side (~125 GiB at 48 layers on the H200),
+        # and after the arms below this process keeps cached blocks it cannot hand back (an
+        # RL run after them was refused 768 MiB there).
+        from samebits.rl import arms as rl_arms
+
+        rl_step = rl_arms.bench_ratio(model, args.rl_steps)
+        print(f"RL step: on-policy {rl_step['ratio']:.2f}x stock")
 
     def partial(result) -> None:  # what is measured so far, marked incomplete
+        result.rl_step = rl_step
         result.meta["complete"] = False
         bench.write_outputs(result, out, plot=False)
 
@@ -369,11 +381,7 @@ def _bench(args) -> int:
         async_scheduling=args.async_scheduling,
         on_progress=partial,
     )
-    if args.rl:  # after the engine and models above are freed: the arms load their own
-        from samebits.rl import arms as rl_arms
-
-        result.rl_step = rl_arms.bench_ratio(model, args.rl_steps)
-        print(f"RL step: on-policy {result.rl_step['ratio']:.2f}x stock")
+    result.rl_step = rl_step
     result.meta["layers"] = args.layers if args.model is None else None
     result.meta["complete"] = True
     bench.print_table(result)
