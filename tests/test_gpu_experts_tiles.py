@@ -88,29 +88,3 @@ def test_control_another_k_order_changes_the_bits_the_tiles_do_not(inputs, reord
         assert not torch.equal(other, base), tiles
         err = ((other.double() - base.double()).abs() / (base.double().abs() + 1)).max().item()
         assert err < 3e-2, (tiles, err)
-
-
-@pytest.mark.parametrize("t", [1024, T_BIG])
-def test_prefill_fed_by_tma_gives_the_pointer_kernels_bits(inputs, t, monkeypatch):
-    """With `TMA_PREFILL` on (x copied into expert order, every operand tile by TMA), a
-    prefill-sized call gives the pointer-fed kernels' slot outputs bit for bit, and the TMA
-    path ran; with it off the same call takes the pointer kernels. Control: the TMA path on x
-    and the weights with their hidden dim reversed (the same products, another K order) gives
-    other bits. Needs compute capability 9.0 (TMA)."""
-    from samebits.kernels import experts_triton
-
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("TMA needs compute capability 9.0 or later")
-    rows = slice(T_BIG - t, T_BIG)
-    monkeypatch.setattr(experts_triton, "TMA_PREFILL", False)
-    pointer = _forward(inputs, rows, sum_slots=False)
-    calls = []
-    real = experts_triton.experts_tma
-    monkeypatch.setattr(experts_triton, "experts_tma", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(experts_triton, "TMA_PREFILL", True)
-    tma = _forward(inputs, rows, sum_slots=False)
-    assert calls, "the TMA path should have run"
-    assert torch.equal(tma, pointer)
-    x, index, weights, gate_up, down = inputs
-    flipped = (x.flip(1).contiguous(), index, weights, gate_up.flip(2).contiguous(), down)
-    assert not torch.equal(_forward(flipped, rows, sum_slots=False), pointer)

@@ -41,7 +41,6 @@ from samebits.kernels.experts import route
 from samebits.kernels.experts_tiles import (
     BLOCK_K,
     DECODE_TILES,
-    TILES_FROM_PAIRS,
     m_in_grid_for,
     slot_tree_fits,
     tiles_for,
@@ -54,13 +53,6 @@ BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = DECODE_TILES  # the decode entry of th
 _DTYPES = (torch.bfloat16, torch.float16)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (development only)
 
-
-# Prefill (the table's large entry) fed by TMA: x copied once into expert order, both kernels'
-# operand tiles loaded by tensor descriptors (`gate_up_tma_kernel`, `down_tma_kernel`; the same
-# dots, K order and epilogues). Off until it is measured on a GPU (benchmarks/experts_tma.py,
-# the GPU test, the 48-layer probe, `samebits bench` prefill): SAMEBITS_TMA_EXPERTS=1 turns it on.
-TMA_PREFILL = os.environ.get("SAMEBITS_TMA_EXPERTS", "0") == "1"
-TMA_FROM_PAIRS = TILES_FROM_PAIRS[-1][0]  # the large tiles' entry, rows in the grid
 
 MAX_ROUTED = 4096  # pairs `route_kernel` places (decode batches up to 512 x 8); more: the torch ops
 ROUTE_PAIRS = 64  # most pairs a `route_kernel` program places ([pairs, E] one-hot counts)
@@ -277,105 +269,6 @@ def down_kernel(
         store_down(acc, out_ptr, weights_ptr, order_ptr, rows, in_rows, cols, H, stride_on)
 
 
-@triton.jit
-def gate_up_tma_kernel(
-    xs_desc, w_desc, h_ptr, offsets_ptr, H, INTER, stride_hn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
-):  # fmt: skip
-    """`gate_up_kernel` with rows in the grid, on x copied into expert order (xs [pairs, H]) and
-    the weights as [E * 2I, H], both by TMA: [BLOCK_M, BLOCK_K] x tiles and [BLOCK_N, BLOCK_K]
-    gate and up tiles, each element one fp32 accumulator over H in BLOCK_K steps, as there.
-    A tile's rows past its expert's last row are the next expert's (or TMA's zero fill at the
-    end): computed, never stored, and no stored element reads them."""
-    col0 = tl.program_id(1) * BLOCK_N
-    cols = col0 + tl.arange(0, BLOCK_N)
-    e, m_lo, m_hi, end = _m_range(offsets_ptr, tl.program_id(0), BLOCK_M, True, E, E_PAD)
-    gate_row = e * (2 * INTER) + col0
-    for m0 in range(m_lo, m_hi, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            x = xs_desc.load([m0, k0])
-            acc_gate = tl.dot(x, w_desc.load([gate_row, k0]).T, acc_gate)
-            acc_up = tl.dot(x, w_desc.load([gate_row + INTER, k0]).T, acc_up)
-        store_gate_up(acc_gate, acc_up, h_ptr, rows, rows < end, cols, INTER, stride_hn)
-
-
-@triton.jit
-def down_tma_kernel(
-    h_desc, w_desc, out_ptr, weights_ptr, order_ptr, offsets_ptr, H, INTER, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
-):  # fmt: skip
-    """`down_kernel` with rows in the grid, the intermediate and the weights ([E * H, I]) by TMA."""
-    col0 = tl.program_id(1) * BLOCK_N
-    cols = col0 + tl.arange(0, BLOCK_N)
-    e, m_lo, m_hi, end = _m_range(offsets_ptr, tl.program_id(0), BLOCK_M, True, E, E_PAD)
-    w_row = e * H + col0
-    for m0 in range(m_lo, m_hi, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, INTER, BLOCK_K):
-            acc = tl.dot(h_desc.load([m0, k0]), w_desc.load([w_row, k0]).T, acc)
-        store_down(acc, out_ptr, weights_ptr, order_ptr, rows, rows < end, cols, H, stride_on)
-
-
-def tma_prefill_fits(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, pairs: int) -> bool:
-    """Whether `experts_forward` takes the TMA path (`TMA_PREFILL`): on; a prefill-sized call
-    (the large tiles' entry), not inside a CUDA graph capture (decode steps, even past 8192
-    pairs, keep the pointer kernels); CUDA of compute capability 9.x (the Hopper wgmma path
-    the bits were argued for; not ROCm) or Triton's interpreter; contiguous expert weights at
-    16-byte aligned addresses, and the 16-byte row strides TMA needs. Costs pairs x H x 2 bytes
-    more memory than the pointer kernels (the copy of x), ~270 MB at 16k tokens of top-8."""
-    if not (TMA_PREFILL and pairs >= TMA_FROM_PAIRS and m_in_grid_for(pairs)):
-        return False
-    if not _INTERPRET:
-        if torch.version.hip is not None or torch.cuda.get_device_capability(x.device)[0] != 9:
-            return False
-        if torch.cuda.is_current_stream_capturing():
-            return False
-    if not (gate_up.is_contiguous() and down.is_contiguous()):
-        return False
-    if gate_up.data_ptr() % 16 or down.data_ptr() % 16:
-        return False
-    e, two_i, h = gate_up.shape
-    return all(n * x.element_size() % 16 == 0 for n in (h, two_i // 2))
-
-
-def experts_tma(
-    x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, top_k: int, top_k_weights: torch.Tensor,
-    gate_up: torch.Tensor, down: torch.Tensor, tiles: tuple[int, int, int, int],
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The TMA path of `experts_forward` for routed pairs (`_route`'s order and offsets) ->
-    (intermediate [pairs, I] in expert order, weighted slot outputs [pairs, H] fp32). Call where
-    `tma_prefill_fits` (benchmarks/experts_tma.py calls it at other tiles)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    e, two_i, h = gate_up.shape
-    i = two_i // 2
-    pairs = order.numel()
-    block_m, block_n, warps, stages = tiles
-    xs = x.index_select(0, order // top_k)  # x in expert order (int32 ids): one copy, exact
-    inter = torch.empty(pairs, i, dtype=x.dtype, device=x.device)
-    rows_axis = triton.cdiv(pairs, block_m) + min(e, pairs)
-    consts = dict(
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, E=e, E_PAD=triton.next_power_of_2(e),
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    gate_up_tma_kernel[(rows_axis, triton.cdiv(i, block_n))](
-        TensorDescriptor.from_tensor(xs, [block_m, BLOCK_K]),
-        TensorDescriptor.from_tensor(gate_up.view(e * two_i, h), [block_n, BLOCK_K]),
-        inter, offsets, h, i, inter.stride(0), **consts,
-    )  # fmt: skip
-    per_slot = torch.empty(pairs, h, dtype=torch.float32, device=x.device)
-    down_tma_kernel[(rows_axis, triton.cdiv(h, block_n))](
-        TensorDescriptor.from_tensor(inter, [block_m, BLOCK_K]),
-        TensorDescriptor.from_tensor(down.view(e * h, i), [block_n, BLOCK_K]),
-        per_slot, top_k_weights, order, offsets, h, i, per_slot.stride(0), **consts,
-    )  # fmt: skip
-    return inter, per_slot
-
-
 def experts_forward(
     hidden_states: torch.Tensor,  # [T, H]
     top_k_index: torch.Tensor,  # [T, K]
@@ -395,8 +288,7 @@ def experts_forward(
     (`benchmarks/experts_configs.py`). `block_k` exists for experiments; samebits always
     uses BLOCK_K. `m_in_grid`: one program per (BLOCK_M rows of an expert, column tile)
     instead of one per (expert, column tile) walking its rows (`_m_range`); the same row
-    blocks, so the same bits. None: `m_in_grid_for(T * K)`, and with `TMA_PREFILL` on, prefill
-    sizes take `experts_tma` (the same tiles and bits, operands by TMA). `sum_slots=False`: return the
+    blocks, so the same bits. None: `m_in_grid_for(T * K)`. `sum_slots=False`: return the
     weighted slot outputs [T, K, H] fp32 before the top-k sum (`experts_ref_slots`), for a
     consumer that sums them itself (`norm_rope_triton.slot_add_rms_norm`).
     """
@@ -410,26 +302,19 @@ def experts_forward(
     order, offsets = _route(top_k_index, gate_up_proj.shape[0])
     tiles = (block_m, block_n, warps, stages)
     args = (hidden_states, order, offsets, k, top_k_weights, gate_up_proj, down_proj, tiles)
-    tma = m_in_grid is None and block_k == BLOCK_K
-    if tma and tma_prefill_fits(hidden_states, gate_up_proj, down_proj, t * k):  # TMA_PREFILL
-        per_slot = experts_tma(*args)[1]
-    else:
-        in_grid = m_in_grid_for(t * k) if m_in_grid is None else m_in_grid
-        per_slot = experts_pointer(*args, in_grid, block_k)[1]
-    per_slot = per_slot.view(t, k, h)
+    in_grid = m_in_grid_for(t * k) if m_in_grid is None else m_in_grid
+    per_slot = experts_pointer(*args, in_grid, block_k)[1].view(t, k, h)
     return per_slot if not sum_slots else slot_sum(per_slot, hidden_states.dtype)
 
 
 def experts_pointer(
     x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, top_k: int, top_k_weights: torch.Tensor,
     gate_up: torch.Tensor, down: torch.Tensor, tiles: tuple[int, int, int, int], in_grid: bool,
-    block_k: int = BLOCK_K, x_order: torch.Tensor | None = None,
+    block_k: int = BLOCK_K,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """`experts_forward`'s two pointer-fed launches for routed pairs (`_route`'s order and
     offsets) -> (intermediate [pairs, I] in expert order, weighted slot outputs [pairs, H]
-    fp32). `in_grid`: the row blocks in the launch grid (`_m_range`). `x_order`: the order
-    gate_up reads x's rows through (token = x_order // top_k; default `order`):
-    benchmarks/experts_tma.py passes x already in expert order and an identity order."""
+    fp32). `in_grid`: the row blocks in the launch grid (`_m_range`)."""
     e, two_i, h = gate_up.shape
     i = two_i // 2
     pairs = order.numel()
@@ -443,7 +328,7 @@ def experts_pointer(
     )  # fmt: skip
     inter = torch.empty(pairs, i, dtype=x.dtype, device=x.device)
     gate_up_kernel[(rows_axis, triton.cdiv(i, block_n))](
-        x, gate_up, inter, order if x_order is None else x_order, offsets, h, i, top_k,
+        x, gate_up, inter, order, offsets, h, i, top_k,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0), **consts,
     )  # fmt: skip
     per_slot = torch.empty(pairs, h, dtype=torch.float32, device=x.device)
