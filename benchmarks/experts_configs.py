@@ -18,8 +18,8 @@ Timing: eager by default (`triton.testing.do_bench` on one set of weights, which
 in L2 and wait on host launches). `--graph N` times decode sizes as the engine runs them: N
 layers' experts with their own weights and routing, called as the engine calls them (slot
 outputs, `sum_slots=False`) in one CUDA graph, us a call; the floor is then the bytes of the
-experts each call touches. `--tiles "16,16,2,8;..."` adds rows labelled "... --tiles"
-(`--only tiles` runs just those; the table's own "auto" row always runs).
+experts each call touches. `--tiles "16,16,2,8;..."` adds tiles to the rows (`--only` then
+picks among them by label).
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ def main() -> None:
     args = p.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     extra = [tuple(int(v) for v in c.split(",")) for c in args.tiles.split(";") if c]
-    rows = CONFIGS[1:] + [(f"{t} --tiles", dict(tiles=t)) for t in extra]
-    configs = [CONFIGS[0]] + [c for c in rows if args.only in c[0] or c[0].startswith("auto")]
+    rows = CONFIGS[1:] + [(str(t), dict(tiles=t)) for t in extra]
+    configs = [CONFIGS[0]] + [c for c in rows if args.only in c[0]]
     from rich.console import Console
     from rich.table import Table
 
