@@ -1,6 +1,6 @@
 """Which Triton tile choices of the MoE experts keep the bits? And what do they cost? (CUDA)
 
-    python benchmarks/experts_configs.py [--tokens 1,8,...] [--only SUBSTRING] [--tiles ...] [--graph N]
+    python benchmarks/experts_configs.py [--tokens 1,8,...] [--only SUBSTRING]
 
 At the Qwen3-30B-A3B experts shape (128 experts, top-8, H 2048, I 768) and T tokens routed at
 random, runs `experts_forward` with each (BLOCK_M, BLOCK_N, warps, stages), BLOCK_K fixed,
@@ -13,13 +13,6 @@ for information only (samebits never changes BLOCK_K; on the H200 the MMAs add K
 steps in order, so it may well keep the bits too), and so is the last row, torch's stock
 grouped GEMM (`experts_grouped_mm`, other bits by design: the fast profile ran it until it
 measured slower than the Triton kernel at every T here).
-
-Timing: eager by default (`triton.testing.do_bench` on one set of weights, which at small T sit
-in L2 and wait on host launches). `--graph N` times decode sizes as the engine runs them: N
-layers' experts with their own weights and routing, called as the engine calls them (slot
-outputs, `sum_slots=False`) in one CUDA graph, us a call; the floor is then the bytes of the
-experts each call touches. `--tiles "16,16,2,8;..."` adds tiles to the rows (`--only` then
-picks among them by label).
 """
 
 from __future__ import annotations
@@ -77,19 +70,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts T")
     p.add_argument("--only", default="", help="run only the configurations whose label contains this")
-    p.add_argument("--tiles", default="", help="more (BLOCK_M, BLOCK_N, warps, stages) rows, ';'-separated")
-    p.add_argument("--graph", type=int, default=0, help="time N layers' calls in a CUDA graph (0: eager)")
-    p.add_argument("--out", default=None, help="write each cell as a JSON row here")
     args = p.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
-    extra = [tuple(int(v) for v in c.split(",")) for c in args.tiles.split(";") if c]
-    rows = CONFIGS[1:] + [(str(t), dict(tiles=t)) for t in extra]
-    configs = [CONFIGS[0]] + [c for c in rows if args.only in c[0]]
+    configs = [CONFIGS[0]] + [c for c in CONFIGS[1:] if args.only in c[0]]
     from rich.console import Console
     from rich.table import Table
 
-    from samebits.bench.core import copy_bandwidth, graph_call_us
-    from samebits.bench.report import RowLog
+    from samebits.bench.core import copy_bandwidth
 
     g = torch.Generator(device="cuda").manual_seed(0)
     gate_up = (torch.randn(E, 2 * INTER, H, device="cuda", generator=g) * H**-0.5).bfloat16()
@@ -99,34 +86,17 @@ def main() -> None:
     weights, index = torch.softmax(logits, -1).topk(K, dim=-1)
     weights = (weights / weights.sum(-1, keepdim=True)).bfloat16()
     bw = copy_bandwidth(torch.device("cuda"))
-    record = RowLog(args.out, device=torch.cuda.get_device_name(), bandwidth=bw, graph=args.graph).add
     per_expert = 3 * H * INTER * 2  # bytes of one expert's gate, up and down
-    layers = []  # --graph: (gate_up, down, index, weights) of each layer, its own routing
-    for _ in range(args.graph):
-        lw, li = torch.softmax(torch.randn(max(tokens), E, device="cuda", generator=g), -1).topk(K, dim=-1)
-        lw = (lw / lw.sum(-1, keepdim=True)).bfloat16()
-        perm = torch.randperm(E, device="cuda", generator=g)  # copies in their own memory: past L2
-        layers.append((gate_up[perm], down[perm], li, lw))
 
     def run(t, kw):
         return experts_forward(x[:t], index[:t], weights[:t], gate_up, down, **kw)
-
-    def timed_us(t, kw):
-        if not layers:
-            return triton.testing.do_bench(lambda: run(t, kw)) * 1e3
-
-        def call(gu, dn, li, lw):  # as the engine calls it: the slot outputs, summed elsewhere
-            return lambda: experts_forward(x[:t], li[:t], lw[:t], gu, dn, sum_slots=False, **kw)
-
-        return graph_call_us([call(*layer) for layer in layers])
 
     ref = {t: run(t, configs[0][1]) for t in tokens}
     table = Table(title="Triton experts tile choices (BLOCK_K fixed): same bits as the default? us (x floor)")
     table.add_column("BM,BN,warps,stages")
     floors = {}
     for t in tokens:
-        routed = [li for _, _, li, _ in layers] or [index]
-        touched = sum(li[:t].unique().numel() for li in routed) / len(routed)
+        touched = index[:t].unique().numel()
         flops = t * K * 3 * H * INTER * 2  # gate, up and down of every routed pair
         floors[t] = max(1e6 * touched * per_expert / bw, flops / (PEAK_TFLOPS * 1e6))
         table.add_column(f"T={t} (floor {floors[t]:.0f} us)")
@@ -138,18 +108,16 @@ def main() -> None:
             except triton.runtime.errors.OutOfResources as e:  # a tile this GPU cannot hold
                 cells.append(f"no: {e.name}")
                 continue
-            us = timed_us(t, kw)
-            cells.append(f"{'same' if same else 'DIFF'} {us:.1f} ({us / floors[t]:.2f}x)")
-            record(dict(config=label, tokens=t, us=us, floor_us=floors[t], same=same))
+            us = triton.testing.do_bench(lambda t=t, kw=kw: run(t, kw)) * 1e3
+            cells.append(f"{'same' if same else 'DIFF'} {us:.0f} ({us / floors[t]:.1f}x)")
         table.add_row(label, *cells)
         print(label, *cells, flush=True)  # as it goes: the table comes at the end
     cells = []  # the stock grouped GEMM (other bits by design): where the fast profile switches to it
-    for t in tokens if not layers else ():  # eager timing only
+    for t in tokens:
         args = (x[:t], index[:t], weights[:t], gate_up, down)
         us = triton.testing.do_bench(lambda args=args: experts_grouped_mm(*args)) * 1e3
         cells.append(f"{us:.0f} ({us / floors[t]:.1f}x)")
-    if cells:
-        table.add_row("torch._grouped_mm (stock, info)", *cells)
+    table.add_row("torch._grouped_mm (stock, info)", *cells)
     Console(width=240).print(table)
 
 

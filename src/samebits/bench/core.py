@@ -88,29 +88,6 @@ def copy_bandwidth(device, nbytes: int = 4 << 30) -> float:
     return 2 * nbytes * 10 / (time.perf_counter() - t0)
 
 
-def graph_call_us(calls, replays: int = 20) -> float:
-    """Microseconds a call of `calls` (callables, run in order) takes replayed in one CUDA graph:
-    what a decode step's kernels cost without host launch work between them. Each is run once
-    outside the capture first (compiles, warms up); the graph is replayed once, then timed
-    `replays` times back to back."""
-    for f in calls:
-        f()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in calls:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    stop.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(stop) / replays / len(calls)
-
-
 def step_bytes(cfg: ModelConfig, batch: int, context: int, dtype_bytes: int = 2) -> int:
     """Bytes one decode step must read: dense weights, the experts the batch touches
     (expected distinct experts under uniform routing), lm_head, and the KV of every row."""
