@@ -38,13 +38,7 @@ import triton.language as tl
 
 from samebits.kernels.device_facts import shared_memory_per_block
 from samebits.kernels.experts import route
-from samebits.kernels.experts_tiles import (
-    BLOCK_K,
-    DECODE_TILES,
-    m_in_grid_for,
-    slot_tree_fits,
-    tiles_for,
-)
+from samebits.kernels.experts_tiles import BLOCK_K, DECODE_TILES, m_in_grid_for, slot_tree_fits, tiles_for
 from samebits.kernels.launch import fast_launch
 from samebits.kernels.pdl import launch_args, pdl_release, pdl_wait
 from samebits.kernels.reduce import tree_sum_ref
@@ -153,34 +147,6 @@ def _m_range(
     return e, m_lo, m_hi, end
 
 
-@triton.jit
-def store_gate_up(acc_gate, acc_up, h_ptr, rows, in_rows, cols, INTER, stride_hn):
-    """gate_up's epilogue: `silu(gate) * up` with transformers' roundings (each of gate, up and
-    silu(gate) rounded to h's dtype before the product), stored at the intermediate's rows."""
-    gate = acc_gate.to(h_ptr.dtype.element_ty).to(tl.float32)
-    up = acc_up.to(h_ptr.dtype.element_ty).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(h_ptr.dtype.element_ty).to(tl.float32)  # silu
-    h = (act * up).to(h_ptr.dtype.element_ty)
-    tl.store(
-        h_ptr + rows.to(tl.int64)[:, None] * stride_hn + cols[None, :],
-        h,
-        mask=in_rows[:, None] & (cols[None, :] < INTER),
-    )
-
-
-@triton.jit
-def store_down(acc, out_ptr, weights_ptr, order_ptr, rows, in_rows, cols, H, stride_on):
-    """down's epilogue: each row's fp32 output times its routing weight, stored at its (token,
-    slot) row of the [T * K, H] slot outputs."""
-    slot = tl.load(order_ptr + rows, mask=in_rows, other=0)
-    weight = tl.load(weights_ptr + slot, mask=in_rows, other=0.0).to(tl.float32)
-    tl.store(
-        out_ptr + slot.to(tl.int64)[:, None] * stride_on + cols[None, :],
-        acc * weight[:, None],
-        mask=in_rows[:, None] & (cols[None, :] < H),
-    )
-
-
 @fast_launch
 @triton.jit
 def gate_up_kernel(
@@ -224,7 +190,15 @@ def gate_up_kernel(
             acc_gate = tl.dot(x, tl.load(w_gate + k0, mask=w_mask, other=0.0), acc_gate)
             acc_up = tl.dot(x, tl.load(w_up + k0, mask=w_mask, other=0.0), acc_up)
         pdl_release(PDL)  # after each row block's K loop (a repeat is a no-op)
-        store_gate_up(acc_gate, acc_up, h_ptr, rows, in_rows, cols, INTER, stride_hn)
+        gate = acc_gate.to(h_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(h_ptr.dtype.element_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(h_ptr.dtype.element_ty).to(tl.float32)  # silu
+        h = (act * up).to(h_ptr.dtype.element_ty)
+        tl.store(
+            h_ptr + rows.to(tl.int64)[:, None] * stride_hn + cols[None, :],
+            h,
+            mask=in_rows[:, None] & (cols[None, :] < INTER),
+        )
 
 
 @fast_launch
@@ -266,7 +240,13 @@ def down_kernel(
             w = tl.load(w_tile + k0, mask=k_ok[:, None] & (cols[None, :] < H), other=0.0)
             acc = tl.dot(a, w, acc)
         pdl_release(PDL)  # after each row block's K loop (a repeat is a no-op)
-        store_down(acc, out_ptr, weights_ptr, order_ptr, rows, in_rows, cols, H, stride_on)
+        slot = tl.load(order_ptr + rows, mask=in_rows, other=0)
+        weight = tl.load(weights_ptr + slot, mask=in_rows, other=0.0).to(tl.float32)
+        tl.store(
+            out_ptr + slot.to(tl.int64)[:, None] * stride_on + cols[None, :],
+            acc * weight[:, None],
+            mask=in_rows[:, None] & (cols[None, :] < H),
+        )
 
 
 def experts_forward(
@@ -296,47 +276,62 @@ def experts_forward(
     t, k = top_k_index.shape
     block_m, block_n, warps, stages = tiles or tiles_for(t * k)
     stages = _stages_that_fit(hidden_states.device, block_m, block_n, block_k, stages)
-    h = gate_up_proj.shape[2]
+    e, two_i, h = gate_up_proj.shape
+    i = two_i // 2
     if t == 0:
         return hidden_states.new_zeros(0, h) if sum_slots else torch.zeros(0, k, h, device=hidden_states.device)
-    order, offsets = _route(top_k_index, gate_up_proj.shape[0])
-    tiles = (block_m, block_n, warps, stages)
-    args = (hidden_states, order, offsets, k, top_k_weights, gate_up_proj, down_proj, tiles)
+    order, offsets = _route(top_k_index, e)
     in_grid = m_in_grid_for(t * k) if m_in_grid is None else m_in_grid
-    per_slot = experts_pointer(*args, in_grid, block_k)[1].view(t, k, h)
-    return per_slot if not sum_slots else slot_sum(per_slot, hidden_states.dtype)
-
-
-def experts_pointer(
-    x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, top_k: int, top_k_weights: torch.Tensor,
-    gate_up: torch.Tensor, down: torch.Tensor, tiles: tuple[int, int, int, int], in_grid: bool,
-    block_k: int = BLOCK_K,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`experts_forward`'s two pointer-fed launches for routed pairs (`_route`'s order and
-    offsets) -> (intermediate [pairs, I] in expert order, weighted slot outputs [pairs, H]
-    fp32). `in_grid`: the row blocks in the launch grid (`_m_range`)."""
-    e, two_i, h = gate_up.shape
-    i = two_i // 2
-    pairs = order.numel()
-    block_m, block_n, warps, stages = tiles
     # M_IN_GRID: an expert's blocks are floor(its pairs / BLOCK_M), plus one partial block if it
     # has pairs at all, so at most cdiv(pairs, BLOCK_M) + min(E, pairs) blocks (9 at one token)
-    rows_axis = triton.cdiv(pairs, block_m) + min(e, pairs) if in_grid else e
-    consts = dict(
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-        M_IN_GRID=in_grid, E=e, E_PAD=triton.next_power_of_2(e), **launch_args(x.device),
-    )  # fmt: skip
-    inter = torch.empty(pairs, i, dtype=x.dtype, device=x.device)
+    rows_axis = triton.cdiv(t * k, block_m) + min(e, t * k) if in_grid else e
+    grid_m = dict(M_IN_GRID=in_grid, E=e, E_PAD=triton.next_power_of_2(e))
+    inter = torch.empty(t * k, i, dtype=hidden_states.dtype, device=hidden_states.device)
     gate_up_kernel[(rows_axis, triton.cdiv(i, block_n))](
-        x, gate_up, inter, order, offsets, h, i, top_k,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), inter.stride(0), **consts,
-    )  # fmt: skip
-    per_slot = torch.empty(pairs, h, dtype=torch.float32, device=x.device)
+        hidden_states,
+        gate_up_proj,
+        inter,
+        order,
+        offsets,
+        h,
+        i,
+        k,
+        hidden_states.stride(0),
+        gate_up_proj.stride(0),
+        gate_up_proj.stride(1),
+        inter.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+        num_stages=stages,
+        **grid_m,
+        **launch_args(hidden_states.device),
+    )
+    per_slot = torch.empty(t * k, h, dtype=torch.float32, device=hidden_states.device)
     down_kernel[(rows_axis, triton.cdiv(h, block_n))](
-        inter, down, per_slot, top_k_weights, order, offsets, h, i,
-        inter.stride(0), down.stride(0), down.stride(1), per_slot.stride(0), **consts,
-    )  # fmt: skip
-    return inter, per_slot
+        inter,
+        down_proj,
+        per_slot,
+        top_k_weights,
+        order,
+        offsets,
+        h,
+        i,
+        inter.stride(0),
+        down_proj.stride(0),
+        down_proj.stride(1),
+        per_slot.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+        num_stages=stages,
+        **grid_m,
+        **launch_args(hidden_states.device),
+    )
+    per_slot = per_slot.view(t, k, h)
+    return per_slot if not sum_slots else slot_sum(per_slot, hidden_states.dtype)
 
 
 SLOT_BLOCK_H = 512
