@@ -51,7 +51,7 @@ import triton.language as tl
 from samebits.kernels.attention_plan import BLOCK_M, plan
 from samebits.kernels.device_facts import sm_count
 from samebits.kernels.launch import fast_launch
-from samebits.kernels.pdl import launch_args, pdl_release, pdl_release_early, pdl_wait
+from samebits.kernels.pdl import launch_args, pdl_release, pdl_wait
 
 BLOCK_N = 64
 NUM_WARPS = 4  # combine_kernel's; attention_kernel's launch is `attention_plan.plan`'s
@@ -273,7 +273,6 @@ def attention_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr,
     TRANSPOSED: tl.constexpr, L_MMA: tl.constexpr, MERGE_LAST: tl.constexpr = False, PDL: tl.constexpr = False,
-    EARLY: tl.constexpr = False,
 ):  # fmt: skip
     """Whole (SPLIT False): program (sequence, tile, kv head) walks the chunks of its keys in
     order, merging each. Split: program (sequence, chunk, kv head) of a one-tile call computes
@@ -283,7 +282,6 @@ def attention_kernel(
     and puts the ticket back to 0 for the next call. A tile is ROWS (query token, head) rows:
     BLOCK_M in the normal orientation, BLOCK_Q transposed (`_attend_block`)."""
     pdl_wait(PDL)
-    pdl_release_early(PDL, EARLY)
     b = tl.program_id(0)
     kvh = tl.program_id(2)
     tile = 0 if SPLIT else tl.program_id(1)
@@ -484,8 +482,7 @@ def attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), block_table.stride(0),
         ROWS=rows, BLOCK_N=block_n, SPLIT=split, TRANSPOSED=transposed, L_MMA=l_by_mma, MERGE_LAST=merge_last,
-        num_warps=warps, num_stages=stages, enable_fp_fusion=False, **shape,
-        **launch_args(q.device, grid[0] * grid[1] * grid[2] if merge_last or not split else None),
+        num_warps=warps, num_stages=stages, enable_fp_fusion=False, **shape, **launch_args(q.device),
     )  # fmt: skip
     if split and not merge_last:
         combine_kernel[(b, kvh)](

@@ -17,14 +17,7 @@ import triton.language as tl
 
 from samebits.kernels.launch import fast_launch
 from samebits.kernels.matmul_tiles import tiles_for
-from samebits.kernels.pdl import (
-    launch_args,
-    pdl_release,
-    pdl_wait,
-    prefetch_on,
-    prefetch_rows_l2,
-    rows_prefetchable,
-)
+from samebits.kernels.pdl import launch_args, pdl_release, pdl_wait
 
 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M = 64, 128, 64, 8
 NUM_WARPS, NUM_STAGES = 4, 4
@@ -56,14 +49,7 @@ def matmul_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):
-    if PREFETCH:  # one row block (decode): this program's columns of b (weights) to L2 as the one before runs
-        prefetch_rows_l2(
-            b_ptr + tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1) * stride_bn,
-            K * (b_ptr.dtype.element_ty.primitive_bitwidth // 8),
-            8,  # bulk prefetches per column
-        )
     pdl_wait(PDL)
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -129,11 +115,6 @@ def matmul(
     block_k = FP32_BLOCK_K if ieee else BLOCK_K
     block_m, block_n, warps, stages = tiles or tiles_for(m, n)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-    prefetch = (
-        m <= block_m  # one row block: each column of b is read by one program, prefetched once
-        and prefetch_on(a.device)
-        and rows_prefetchable(b.data_ptr(), b.stride(1) * b.element_size(), k * b.element_size(), b.stride(0))
-    )
     matmul_kernel[grid](
         a,
         b,
@@ -157,7 +138,6 @@ def matmul(
         num_warps=warps,
         num_stages=stages,
         **launch_args(a.device),
-        **({"PREFETCH": True} if prefetch else {}),
     )
     return c
 

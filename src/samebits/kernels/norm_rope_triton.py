@@ -27,7 +27,7 @@ import triton.language as tl
 from samebits.kernels.experts_tiles import slot_tree_fits
 from samebits.kernels.experts_triton import _slot_tree_sum
 from samebits.kernels.launch import fast_launch
-from samebits.kernels.pdl import launch_args, pdl_release, pdl_release_early, pdl_wait
+from samebits.kernels.pdl import launch_args, pdl_release, pdl_wait
 from samebits.kernels.reduce_triton import tree_sum_block
 
 
@@ -50,13 +50,11 @@ def rms_norm_kernel(
     BLOCK: tl.constexpr,
     SLOTS: tl.constexpr = 0,
     PDL: tl.constexpr = False,
-    EARLY: tl.constexpr = False,
 ):
     """One row: RMSNorm of x, or of `residual + x` (HAS_RES; the sum stored too). SLOTS = K > 0:
     x is the MoE experts' weighted slot outputs [T, K, n] fp32, summed over K as `slot_sum_kernel`
     sums them and rounded to the residual's dtype first (the experts' output, never stored)."""
     pdl_wait(PDL)
-    pdl_release_early(PDL, EARLY)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -101,7 +99,7 @@ def slot_add_rms_norm(slots: torch.Tensor, residual: torch.Tensor, weight: torch
             slots, r2, weight, out, summed, h, float(np.float32(1.0) / np.float32(h)), eps,
             k * h, r2.stride(0), out.stride(0), summed.stride(0),
             HAS_RES=True, BLOCK=block, SLOTS=k,
-            num_warps=8 if block >= 1024 else 2, enable_fp_fusion=False, **launch_args(residual.device, t),
+            num_warps=8 if block >= 1024 else 2, enable_fp_fusion=False, **launch_args(residual.device),
         )  # fmt: skip
     return summed, out
 
@@ -134,7 +132,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             BLOCK=block,
             num_warps=4 if block >= 1024 else 1,
             enable_fp_fusion=False,  # keep `variance + eps` and the other products rounded
-            **launch_args(x.device, x2.shape[0]),
+            **launch_args(x.device),
         )
     out = out.view(x.shape)
     return out if residual is None else (summed.view(x.shape), out)

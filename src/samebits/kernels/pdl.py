@@ -22,18 +22,6 @@ docs/perf-notes.md fourteenth session) gave 4.31 ms a token at batch 1 against 4
 19.29-19.33 against 19.45-19.54 at 64, 26.78-26.93 against 27.07-27.08 at 256, and the 48-layer
 probe with it on 0 mismatches in every exact arm. Set SAMEBITS_PDL=0 in the environment to turn
 it off for a process.
-
-Two more uses of that overlap, which change no arithmetic either (`SAMEBITS_PDL_PREFETCH=0`
-turns both off):
-- a kernel of at most one program per SM (a decode-sized norm or split attention) may let the
-  next kernel be scheduled as soon as it has waited (`pdl_release_early`), rather than after its
-  main loop: all of its programs are then already resident, so the next kernel's programs only
-  take SMs it leaves idle;
-- a decode GEMM asks L2 for its weight rows (`prefetch_rows_l2`) before it waits. The weights
-  are never the kernel before's output; and a prefetch only moves lines from memory into L2,
-  the point of coherence every load goes through, so a line the kernel before is writing is
-  still read after that kernel's write. The GEMM's loads then find the weights in L2 while the
-  kernel before runs, instead of starting from memory latency once it ends.
 """
 
 from __future__ import annotations
@@ -46,10 +34,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from samebits.kernels.device_facts import sm_count
-
 ENABLED = os.environ.get("SAMEBITS_PDL", "1") != "0"
-PREFETCH = os.environ.get("SAMEBITS_PDL_PREFETCH", "1") != "0"
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _ON = {"PDL": True, "launch_pdl": True}
 _OFF: dict = {}
@@ -69,38 +54,6 @@ def pdl_release(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-@triton.jit
-def pdl_release_early(PDL: tl.constexpr, EARLY: tl.constexpr):
-    """With EARLY, let the next kernel be scheduled now (a no-op unless PDL; a later
-    `pdl_release` is then a no-op as well). Call it after `pdl_wait`, or kernels cascade."""
-    if PDL and EARLY:
-        gdc_launch_dependents()
-
-
-# cp.async.bulk.prefetch (sm_90): bring [address, address + size) into L2; size a multiple of 16
-_BULK_PREFETCH = tl.constexpr(
-    "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }"
-)
-
-
-@triton.jit
-def prefetch_rows_l2(row_ptrs, row_bytes, CHUNKS: tl.constexpr):
-    """Ask L2 for the rows of `row_bytes` bytes starting at each of `row_ptrs` (1-D, 16-byte
-    aligned; `row_bytes` a multiple of 16), each row as CHUNKS bulk prefetches spread over the
-    program's threads. A hint: it loads nothing into registers and changes no value read."""
-    chunk = tl.cdiv(row_bytes, CHUNKS * 16) * 16
-    start = tl.arange(0, CHUNKS)[None, :] * chunk
-    size = tl.minimum(chunk, row_bytes - start)
-    addr = row_ptrs.to(tl.int64)[:, None] + start
-    tl.inline_asm_elementwise(_BULK_PREFETCH, "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-def rows_prefetchable(data_ptr: int, row_stride_bytes: int, row_bytes: int, elements_stride: int) -> bool:
-    """Whether `prefetch_rows_l2` may take these rows: contiguous (elements_stride 1), and every
-    row's start and length 16-byte aligned, as the bulk prefetch needs."""
-    return elements_stride == 1 and data_ptr % 16 == 0 and row_stride_bytes % 16 == 0 and row_bytes % 16 == 0
-
-
 def supported(device: torch.device) -> bool:
     """PDL needs a CUDA (not ROCm) device of compute capability 9.0 or later, compiled kernels."""
     return device.type == "cuda" and _cuda_supported(device.index)
@@ -111,17 +64,6 @@ def _cuda_supported(index: int | None) -> bool:
     return torch.version.hip is None and not _INTERPRET and torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def launch_args(device: torch.device, early_programs: int | None = None) -> dict:
-    """The launch keywords for a decode kernel on `device`: PDL on where ENABLED and supported.
-    `early_programs`: the grid's programs, for a kernel with an EARLY constexpr
-    (`pdl_release_early`); EARLY where they fit one to an SM and PREFETCH is on."""
-    if not (ENABLED and supported(device)):
-        return _OFF
-    if early_programs is None:
-        return _ON
-    return {**_ON, "EARLY": PREFETCH and early_programs <= sm_count(device)}
-
-
-def prefetch_on(device: torch.device) -> bool:
-    """Whether decode GEMMs on `device` prefetch their weights into L2 before they wait."""
-    return PREFETCH and ENABLED and supported(device)
+def launch_args(device: torch.device) -> dict:
+    """The launch keywords for a decode kernel on `device`: PDL on where ENABLED and supported."""
+    return _ON if ENABLED and supported(device) else _OFF
