@@ -13,6 +13,11 @@ graphs, and per arm and batch:
 - times the sampler alone on random [B, V] logits, op by op and fused (eager).
 Per-layer cost is (kernel time - the part outside the layers) / layers; run two layer
 counts to separate them. `--json` writes every table.
+
+`--prefill B` (B > 0) also profiles, per arm, one `generate` of B prompts of `--context`
+tokens with max_tokens=1 (the prefill `samebits bench` times as tok/s; the engine's own
+prefill budget per step): its wall time, the kernels' time inside it (the rest is host time
+and gaps), and every kernel by name, as above.
 """
 
 from __future__ import annotations
@@ -47,6 +52,35 @@ def kernel_table(llm, batch: int, context: int, steps: int) -> dict[str, list[fl
             row[0] += 1 / steps
             row[1] += e.time_range.elapsed_us() / steps
     return dict(table)
+
+
+def prefill_table(llm, batch: int, context: int) -> tuple[float, dict[str, list[float]]]:
+    """(wall ms, name -> [launches, GPU us]) of one generate of `batch` fresh prompts of
+    `context` tokens with max_tokens=1, after a warm-up call on other prompts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from samebits.bench.generate import random_prompts, timed_generate
+
+    vocab = llm.config.vocab_size
+    timed_generate(llm, random_prompts(vocab, batch, context, seed=1), 1)
+    wall = 1000 * timed_generate(llm, random_prompts(vocab, batch, context, seed=2), 1)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        timed_generate(llm, random_prompts(vocab, batch, context, seed=3), 1)
+    table: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            table[e.name][0] += 1
+            table[e.name][1] += e.time_range.elapsed_us()
+    return wall, dict(table)
+
+
+def _kernel_rows(table, kernels: dict[str, list[float]], top: int) -> list[tuple[str, float, float]]:
+    """Fill a rich table with the `top` busiest kernels; -> every (name, launches, us), busiest first."""
+    busy = sum(us for _, us in kernels.values()) or 1.0
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    for name, (n, us) in ranked[:top]:
+        table.add_row(name[:90], f"{n:.0f}", f"{us:.1f}", f"{100 * us / busy:.1f}%")
+    return [(name, n, us) for name, (n, us) in ranked]
 
 
 def replay_ms(llm, batch: int, context: int, steps: int) -> float | None:
@@ -96,6 +130,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25, help="kernels listed per table")
     p.add_argument("--dir", default="/dev/shm/samebits-profile")
     p.add_argument("--json", default=None)
+    p.add_argument("--prefill", type=int, default=0, help="also profile a prefill of N prompts (0: none)")
     args = p.parse_args()
     from rich.console import Console
     from rich.table import Table
@@ -108,7 +143,7 @@ def main() -> None:
     path = Path(args.dir)
     if not (path / "config.json").is_file():
         write_random_checkpoint(path, args.layers, seed=0)
-    limits = dict(device="cuda", max_num_seqs=max(batches), max_model_len=args.context + 64)
+    limits = dict(device="cuda", max_num_seqs=max(batches + [args.prefill]), max_model_len=args.context + 64)
     eager = LLM(path, cuda_graphs=False, **limits)
     graphed = LLM(path, **limits)
     layers = eager.config.num_hidden_layers
@@ -129,9 +164,7 @@ def main() -> None:
             )
             for col in ("kernel", "launches/step", "us/step", "share"):
                 t.add_column(col, justify="left" if col == "kernel" else "right")
-            ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])
-            for name, (n, us) in ranked[: args.top]:
-                t.add_row(name[:90], f"{n:.0f}", f"{us:.1f}", f"{100 * us / busy:.1f}%")
+            ranked = _kernel_rows(t, kernels, args.top)
             console.print(t)
             out["points"].append(
                 {
@@ -141,7 +174,28 @@ def main() -> None:
                     "kernel_ms": busy / 1000,
                     "replay_ms": replay,
                     "sampler_ms": sample,
-                    "kernels": {k: {"launches": n, "us": us} for k, (n, us) in ranked},
+                    "kernels": {k: {"launches": n, "us": us} for k, n, us in ranked},
+                }
+            )
+        if args.prefill:
+            wall, kernels = prefill_table(eager, args.prefill, args.context)
+            busy = sum(us for _, us in kernels.values())
+            tokens = args.prefill * args.context
+            t = Table(
+                title=f"{arm}, prefill of {args.prefill} x {args.context} tokens, {layers} layers: "
+                f"{wall:.1f} ms ({tokens / wall * 1000:,.0f} tok/s), {busy / 1000:.1f} ms of kernels"
+            )
+            for col in ("kernel", "launches", "us", "share"):
+                t.add_column(col, justify="left" if col == "kernel" else "right")
+            ranked = _kernel_rows(t, kernels, args.top)
+            console.print(t)
+            out.setdefault("prefill", []).append(
+                {
+                    "arm": arm,
+                    "prompts": args.prefill,
+                    "wall_ms": wall,
+                    "kernel_ms": busy / 1000,
+                    "kernels": {k: {"launches": n, "us": us} for k, n, us in ranked},
                 }
             )
     if args.json:
