@@ -16,6 +16,9 @@ context during the update (the backward, the optimizer, clipping): once register
 call crosses the overrides' Python wrapper on its way to the stock kernel (on CUDA the
 backward runs on autograd's device thread, outside the context), which the stock arm's process
 never registers. With `--per-site` they are listed by the Python frame that called them.
+
+`--node-times`: also the host time (no sync) spent inside each of samebits' backward nodes
+during the update (the trainer's linears, norms, routers, attention and experts), per kind.
 """
 
 from __future__ import annotations
@@ -61,6 +64,30 @@ def _count_outside(counts: collections.Counter, per_site: bool, active: list[boo
     bi._override = counting
 
 
+def _time_backward_nodes(seconds: collections.Counter, calls: collections.Counter) -> None:
+    """Wrap the backward of each of samebits' trainer autograd nodes with a host timer."""
+    from samebits.model import attention
+    from samebits.numerics import registry
+    from samebits.trainer import forwards
+
+    def wrap(name, fn):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                seconds[name] += time.perf_counter() - t0
+                calls[name] += 1
+
+        return run
+
+    for cls in (forwards._Linear, forwards._RMSNorm, forwards._Router, attention._PackedAttention):
+        cls.backward = staticmethod(wrap(cls.__name__, cls.backward))
+    for by_profile in registry.TABLE["experts_backward"].values():
+        for profile, fn in by_profile.items():
+            by_profile[profile] = wrap("experts", fn)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF checkpoint dir (default: the tiny model)")
@@ -68,6 +95,7 @@ def main() -> None:
     p.add_argument("--arm", default="on-policy", help="one of samebits.rl.arms.ARMS")
     p.add_argument("--steps", type=int, default=4, help="steps; the first is listed but not summarised")
     p.add_argument("--per-site", action="store_true", help="count override crossings by calling frame")
+    p.add_argument("--node-times", action="store_true", help="host time inside each kind of backward node")
     p.add_argument("--out", default=None, help="write the per-step rows as JSON")
     args = p.parse_args()
     from samebits.rl import RLConfig, RLLoop, train
@@ -96,6 +124,10 @@ def main() -> None:
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     seconds: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
+    node_s: collections.Counter = collections.Counter()
+    node_calls: collections.Counter = collections.Counter()
+    if args.node_times:
+        _time_backward_nodes(node_s, node_calls)
 
     def timed(name, fn):
         def run(*a, **k):
@@ -138,8 +170,8 @@ def main() -> None:
     rows = []
     try:
         for _ in range(args.steps):
-            seconds.clear()
-            calls.clear()
+            for c in (seconds, calls, node_s, node_calls):
+                c.clear()
             metrics = loop.step()
             row = {
                 "step": metrics["step"],
@@ -148,6 +180,7 @@ def main() -> None:
                 "parts_s": {k: round(v, 4) for k, v in seconds.items()},
                 "calls": dict(calls),
                 "override_crossings_in_update": {f"{n} {s}".strip(): c for (n, s), c in crossings.items()},
+                "backward_nodes_host_s": {k: [round(v, 4), node_calls[k]] for k, v in node_s.items()},
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -162,6 +195,9 @@ def main() -> None:
         values = sorted(r["parts_s"].get(part, 0.0) for r in later)
         print(f"  {part:20s} {values[len(values) // 2]:8.3f}")
     print(f"  {'update (unsynced)':20s} {sorted(r['update_s'] for r in later)[len(later) // 2]:8.3f}")
+    for node in sorted({k for r in later for k in r["backward_nodes_host_s"]}):
+        values = sorted(r["backward_nodes_host_s"].get(node, [0.0, 0])[0] for r in later)
+        print(f"  backward node {node:14s} {values[len(values) // 2]:8.3f} host s a step")
     total = sum(rows[-1]["override_crossings_in_update"].values())
     print(f"  override crossings outside the context in the last update: {total}")
     if args.out:
