@@ -8,6 +8,9 @@ Arms: `on-policy`, `shared` and `stock`, as `samebits.rl.arms` describes them (e
 
 Prints each arm's per-step metrics and one table of the median time per phase over the
 steps after the first (the first compiles Triton kernels and captures CUDA graphs).
+`--rounds N` runs every arm N times, in the order A B, B A, A B, ... (a drift over the run
+weighs on both arms alike), and prints the on-policy / stock ratio of each round beside the
+pooled one: the spread between rounds is the measurement's own.
 `--warmup-steps` (default 2) first runs the first arm that many steps and throws the run away:
 on the H200 the first arm's process after a 48-layer checkpoint was written ran ~0.5 s a step
 slower than the same arm run later, whichever arm came first (0 turns it off).
@@ -51,10 +54,18 @@ def main() -> None:
         help="fast: a checksum on the GPU (default); sha256: on the host, slow at scale",
     )
     p.add_argument("--warmup-steps", type=int, default=2, help="steps of a thrown-away first run (0: none)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every arm this many times, the order reversed every other round (prints each round's ratio)",
+    )
     p.add_argument("--out", default=None, help="write every arm's per-step metrics as JSON")
     args = p.parse_args()
     if args.warmup_steps < 0:
         p.error(f"--warmup-steps must be >= 0 (0: no warm-up run), got {args.warmup_steps}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     arms = args.arms.split(",")
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
@@ -82,7 +93,7 @@ def main() -> None:
         digest_tensors=tuple(args.digest.split(",")) if args.digest else None,
         digest_kind=args.digest_kind,
     )
-    results = run_arms(config, arms, warmup_steps=args.warmup_steps)  # each arm in a fresh process
+    results = run_arms(config, arms, warmup_steps=args.warmup_steps, rounds=args.rounds)  # a fresh process each
     print_summary(results)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))

@@ -240,6 +240,48 @@ def test_rl_arms_warm_up_run_is_thrown_away(tiny):
     assert lines[0].startswith("warm-up run of stock, 1 steps") and sum(" step 0:" in x for x in lines) == 2
 
 
+def test_rl_arms_rounds_alternate_the_order_and_tag_each_run(tiny, monkeypatch):
+    """rounds=3 runs A B, B A, A B (each arm's rows tagged with their round, in run order);
+    rounds=0 is refused."""
+    from samebits.rl import RLConfig
+    from samebits.rl import arms as bench_rl
+
+    order = []
+
+    def fake_run(config, spawn, log):
+        arm = "stock" if config.engine_numerics == "fast" else "on-policy"
+        order.append(arm)
+        return [{"step": i, "arm": arm} for i in range(config.steps)]
+
+    monkeypatch.setattr(bench_rl, "_run_in", fake_run)
+    cfg = RLConfig(model=str(tiny), device="cpu", steps=2)
+    results = bench_rl.run_arms(cfg, ("on-policy", "stock"), spawn=False, log=lambda _: None, rounds=3)
+    assert order == ["on-policy", "stock", "stock", "on-policy", "on-policy", "stock"]
+    for arm in ("on-policy", "stock"):
+        want = [(k, i, arm) for k in range(3) for i in range(2)]
+        assert [(r["round"], r["step"], r["arm"]) for r in results[arm]] == want
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        bench_rl.run_arms(cfg, ("stock",), spawn=False, rounds=0)
+
+
+def test_rl_medians_skip_each_runs_first_step_and_ratios_are_per_round():
+    """Each run's first step (compile, capture) is left out of the medians, whatever round it is
+    in; a round's ratio uses only its own runs. Control: without the round tags the second
+    run's slow first step counts."""
+    from samebits.rl import arms as bench_rl
+
+    def run(k, first, rest, n=3):
+        times = [first] + [rest] * (n - 1)
+        return [{"round": k, **{f"time_{p}_s": t for p in bench_rl.PHASES}} for t in times]
+
+    on = run(0, 50.0, 2.0) + run(1, 50.0, 3.0)
+    stock = run(0, 40.0, 2.0) + run(1, 40.0, 2.0)
+    assert bench_rl.medians(on)["step"] == 2.5  # median of 2, 2, 3, 3
+    assert bench_rl.round_ratios({"on-policy": on, "stock": stock}) == [1.0, 1.5]
+    untagged = [{k: v for k, v in r.items() if k != "round"} for r in on]
+    assert bench_rl.medians(untagged)["step"] == 3.0  # 2, 2, 50, 3, 3: the second run's first step counts
+
+
 def test_rl_arms_refuse_an_unknown_arm(tiny):
     from samebits.rl import RLConfig
     from samebits.rl import arms as bench_rl

@@ -61,26 +61,36 @@ def _flushed(text: str) -> None:
     print(text, flush=True)
 
 
-def run_arms(config, arms, spawn: bool = True, log=_flushed, warmup_steps: int = 0) -> dict[str, list[dict]]:
+def run_arms(
+    config, arms, spawn: bool = True, log=_flushed, warmup_steps: int = 0, rounds: int = 1
+) -> dict[str, list[dict]]:
     """Each arm's per-step metrics. With `spawn`, each arm runs in a fresh process: both
     start cold, and all of an arm's device memory is freed before the next one loads.
 
     `warmup_steps`: first a run of the first arm, that many steps, thrown away. On the H200
     the first arm's process after a 48-layer checkpoint was written ran ~0.5 s a step slower
     than the same arm later, whichever arm it was (docs/perf-notes.md, eleventh session), so
-    without it the first arm's ratio carries the machine's settling."""
+    without it the first arm's ratio carries the machine's settling.
+
+    `rounds`: run every arm that many times, the order reversed every other round (A B, B A,
+    A B, ...), so that a drift over the run weighs on both arms alike. An arm's rows are its
+    runs' rows in order, each tagged with its `round`; `medians` skips each run's first step."""
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         raise ValueError(f"arms: unknown {unknown}; choose from {list(ARMS)}")
     if warmup_steps < 0:
         raise ValueError(f"warmup_steps must be >= 0 (0: no warm-up run), got {warmup_steps}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     if warmup_steps:
         log(f"warm-up run of {arms[0]}, {warmup_steps} steps (thrown away):")
         _run_in(replace(config, steps=warmup_steps, **ARMS[arms[0]]), spawn, log)
-    results = {}
-    for arm in arms:
-        log(f"arm {arm}:")
-        results[arm] = _run_in(replace(config, **ARMS[arm]), spawn, log)
+    results: dict[str, list[dict]] = {arm: [] for arm in arms}
+    for r in range(rounds):
+        for arm in arms if r % 2 == 0 else arms[::-1]:
+            log(f"arm {arm}:" if rounds == 1 else f"arm {arm}, round {r + 1} of {rounds}:")
+            rows = _run_in(replace(config, **ARMS[arm]), spawn, log)
+            results[arm] += [row | {"round": r} for row in rows]
     return results
 
 
@@ -92,15 +102,27 @@ def _run_in(config, spawn: bool, log) -> list[dict]:
 
 
 def medians(rows: list[dict]) -> dict[str, float]:
-    """Median seconds per phase over the steps after the first (all steps if there is one)."""
-    timed = rows[1:] or rows
+    """Median seconds per phase over the steps after each run's first (which compiles kernels
+    and captures graphs); all steps if no run has more than one."""
+    timed = [r for i, r in enumerate(rows) if i and r.get("round", 0) == rows[i - 1].get("round", 0)]
+    timed = timed or rows
     return {p: statistics.median(r[f"time_{p}_s"] for r in timed) for p in PHASES}
+
+
+def round_ratios(results: dict[str, list[dict]]) -> list[float]:
+    """The on-policy / stock ratio of median step seconds within each round."""
+    rounds = sorted({r.get("round", 0) for r in results["on-policy"]})
+    out = []
+    for k in rounds:
+        on, stock = ([r for r in results[a] if r.get("round", 0) == k] for a in ("on-policy", "stock"))
+        out.append(medians(on)["step"] / medians(stock)["step"])
+    return out
 
 
 def step_ratio(results: dict[str, list[dict]]) -> dict[str, float]:
     """{'on_policy_s', 'stock_s', 'ratio'}: median step seconds of both arms and their ratio."""
     on, stock = medians(results["on-policy"])["step"], medians(results["stock"])["step"]
-    return {"on_policy_s": on, "stock_s": stock, "ratio": on / stock}
+    return {"on_policy_s": on, "stock_s": stock, "ratio": on / stock, "round_ratios": round_ratios(results)}
 
 
 def bench_ratio(
@@ -129,7 +151,7 @@ def print_summary(results: dict[str, list[dict]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="RL step: median seconds per phase (steps after the first)")
+    table = Table(title="RL step: median seconds per phase (steps after each run's first)")
     table.add_column("arm")
     for p in PHASES:
         table.add_column(p, justify="right")
@@ -145,3 +167,5 @@ def print_summary(results: dict[str, list[dict]]) -> None:
             f"{count(rows, 'rollout')} / {count(rows, 'old')}",
         )
     Console(width=160).print(table)
+    if "on-policy" in results and "stock" in results and len({r.get("round", 0) for r in results["stock"]}) > 1:
+        print("on-policy / stock by round: " + ", ".join(f"{x:.3f}x" for x in round_ratios(results)))
