@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import statistics
 import time
 import traceback
 from dataclasses import replace
@@ -45,6 +46,8 @@ def _count_outside(counts: collections.Counter, per_site: bool, active: list[boo
     from samebits.numerics import batch_invariant as bi
     from samebits.numerics import scope
 
+    if bi.installed():
+        raise RuntimeError("the batch_invariant() overrides are already registered in this process: run fresh")
     make = bi._override
 
     def counting(name, device, impl):
@@ -192,12 +195,11 @@ def main() -> None:
     later = rows[1:]
     print(f"\n{args.arm}: median over steps 2..{len(rows)} (seconds, synced parts)")
     for part in sorted({k for r in later for k in r["parts_s"]}):
-        values = sorted(r["parts_s"].get(part, 0.0) for r in later)
-        print(f"  {part:20s} {values[len(values) // 2]:8.3f}")
-    print(f"  {'update (unsynced)':20s} {sorted(r['update_s'] for r in later)[len(later) // 2]:8.3f}")
+        print(f"  {part:20s} {statistics.median(r['parts_s'].get(part, 0.0) for r in later):8.3f}")
+    print(f"  {'update (unsynced)':20s} {statistics.median(r['update_s'] for r in later):8.3f}")
     for node in sorted({k for r in later for k in r["backward_nodes_host_s"]}):
-        values = sorted(r["backward_nodes_host_s"].get(node, [0.0, 0])[0] for r in later)
-        print(f"  backward node {node:14s} {values[len(values) // 2]:8.3f} host s a step")
+        host = statistics.median(r["backward_nodes_host_s"].get(node, [0.0, 0])[0] for r in later)
+        print(f"  backward node {node:14s} {host:8.3f} host s a step")
     total = sum(rows[-1]["override_crossings_in_update"].values())
     print(f"  override crossings outside the context in the last update: {total}")
     if args.out:
