@@ -119,8 +119,9 @@ def round_ratios(results: dict[str, list[dict]]) -> list[float]:
     return out
 
 
-def step_ratio(results: dict[str, list[dict]]) -> dict[str, float]:
-    """{'on_policy_s', 'stock_s', 'ratio'}: median step seconds of both arms and their ratio."""
+def step_ratio(results: dict[str, list[dict]]) -> dict:
+    """{'on_policy_s', 'stock_s', 'ratio', 'round_ratios'}: median step seconds of both arms,
+    their ratio, and the ratio within each round (`round_ratios`)."""
     on, stock = medians(results["on-policy"])["step"], medians(results["stock"])["step"]
     return {"on_policy_s": on, "stock_s": stock, "ratio": on / stock, "round_ratios": round_ratios(results)}
 
