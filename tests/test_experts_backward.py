@@ -76,3 +76,31 @@ def test_torch_grouped_mm_layouts_in_float32():
     want = _autograd([v.double() for v in leaves], index, grad.double(), (True,) * 4)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_routing_is_the_given_kernels():
+    """`route_pairs` gives the (order, offsets) the backward groups by (on CUDA the forward's
+    one-launch routing): a kernel giving `route`'s answer gives the same gradients, and one
+    giving a wrong order does not (the control)."""
+    from samebits.kernels.experts import route
+
+    leaves, index, grad = _inputs(torch.float64)
+    wants = (True, True, False, False)
+    seen = []
+
+    def recorded(top_k_index, num_experts):
+        seen.append(num_experts)
+        return route(top_k_index, num_experts)
+
+    def wrong(top_k_index, num_experts):
+        order, offsets = route(top_k_index, num_experts)
+        return order.flip(0), offsets
+
+    want = experts_backward(grad, leaves[0], index, *leaves[1:], wants, gmm=grouped_mm_loop)
+    got = experts_backward(
+        grad, leaves[0], index, *leaves[1:], wants, gmm=grouped_mm_loop, route_pairs=recorded
+    )
+    bad = experts_backward(grad, leaves[0], index, *leaves[1:], wants, gmm=grouped_mm_loop, route_pairs=wrong)
+    assert seen == [leaves[2].shape[0]]
+    assert all(torch.equal(a, b) for a, b in zip(got[:2], want[:2], strict=True))
+    assert not torch.allclose(bad[0], want[0])

@@ -538,7 +538,7 @@ def test_routing_kernel_gives_the_stable_sort_for_any_expert_count(e, k, t):
     index = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).cuda()
     index[: t // 3, 0] = e - 1  # the last expert holds many pairs
     assert index.numel() <= et.MAX_ROUTED
-    order, offsets = et._route(index, e)
+    order, offsets = et.route_pairs(index, e)
     want_order, want_offsets = route(index, e)
     assert torch.equal(order, want_order) and torch.equal(offsets, want_offsets)
 
@@ -555,7 +555,7 @@ def test_one_launch_routing_and_slot_sum_give_the_torch_ops_results(t):
     g = torch.Generator().manual_seed(t)
     index = torch.stack([torch.randperm(128, generator=g)[:8] for _ in range(t)]).cuda()
     index[: t // 2, 0] = 5  # one expert holds many pairs
-    order, offsets = et._route(index, 128)
+    order, offsets = et.route_pairs(index, 128)
     want_order, want_offsets = route(index, 128)
     assert torch.equal(order, want_order) and torch.equal(offsets, want_offsets)
     per_slot = (

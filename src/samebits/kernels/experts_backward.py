@@ -47,6 +47,12 @@ def grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> tor
     return torch.stack([a[:, ends[e] : ends[e + 1]] @ b[ends[e] : ends[e + 1]] for e in range(len(offs))])
 
 
+def _to_pair_order(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Rows in expert order -> rows in pair order (row j of x is pair order[j]; order is a
+    permutation, so every row is written)."""
+    return x.new_empty(x.shape).index_copy_(0, order, x)
+
+
 def _sum(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     shape = [s for d, s in enumerate(x.shape) if d != dim % x.dim()]
     return torch.sum(x, dim, dtype=dtype, out=x.new_empty(shape, dtype=dtype))
@@ -61,16 +67,19 @@ def experts_backward(
     down_proj: torch.Tensor,  # [E, H, I]
     wants: tuple[bool, bool, bool, bool],  # grads of (hidden, weights, gate_up, down)
     gmm: GroupedMM = torch._grouped_mm,
+    route_pairs: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = route,
 ) -> tuple[torch.Tensor | None, ...]:
     """-> (d hidden [T, H], d weights [T, K], d gate_up [E, 2I, H], d down [E, H, I]), None
     where not wanted: the gradients of `experts_grouped_mm` (SiLU) in three grouped GEMMs, five
-    when the expert weights want theirs (returned contiguous, in the parameters' layout)."""
+    when the expert weights want theirs (returned contiguous, in the parameters' layout).
+    `route_pairs`: `experts.route` or a kernel giving its (order, offsets) (on CUDA the
+    forward's one-launch routing)."""
     t, k = top_k_index.shape
     if t == 0:
         zeros = (hidden_states, top_k_weights, gate_up_proj, down_proj)
         return tuple(torch.zeros_like(z) if w else None for z, w in zip(zeros, wants, strict=True))
     inter = down_proj.shape[2]
-    order, offsets = route(top_k_index, gate_up_proj.shape[0])
+    order, offsets = route_pairs(top_k_index, gate_up_proj.shape[0])
     order, offs = order.long(), offsets[1:]
     tok = order // k
     xs, gs = hidden_states[tok], grad_out.to(hidden_states.dtype)[tok]  # [N, H] in expert order
@@ -84,13 +93,12 @@ def experts_backward(
     acc = torch.promote_types(hidden_states.dtype, torch.float32)  # bf16/fp16 sum in fp32
     grads: list[torch.Tensor | None] = [None] * 4
     if wants[0]:
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        per_slot = gmm(dh, gate_up_proj, offs=offs)[inverse].view(t, k, -1)  # [T, K, H]
+        per_pair = gmm(dh, gate_up_proj, offs=offs)  # [N, H] in expert order
+        per_slot = _to_pair_order(per_pair, order).view(t, k, -1)  # [T, K, H]
         grads[0] = _sum(per_slot, 1, acc).to(hidden_states.dtype)
     if wants[1]:
-        dw = _sum(u.to(acc) * a.to(acc), -1, acc)  # [N]
-        grads[1] = torch.zeros_like(dw).index_copy_(0, order, dw).view(t, k).to(top_k_weights.dtype)
+        dw = _sum(u.to(acc) * a.to(acc), -1, acc)  # [N] in expert order
+        grads[1] = _to_pair_order(dw, order).view(t, k).to(top_k_weights.dtype)
     if wants[2]:
         grads[2] = gmm(dh.t(), xs, offs=offs)  # [E, 2I, H], the parameter's own layout
     if wants[3]:

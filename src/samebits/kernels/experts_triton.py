@@ -280,7 +280,7 @@ def experts_forward(
     i = two_i // 2
     if t == 0:
         return hidden_states.new_zeros(0, h) if sum_slots else torch.zeros(0, k, h, device=hidden_states.device)
-    order, offsets = _route(top_k_index, e)
+    order, offsets = route_pairs(top_k_index, e)
     in_grid = m_in_grid_for(t * k) if m_in_grid is None else m_in_grid
     # M_IN_GRID: an expert's blocks are floor(its pairs / BLOCK_M), plus one partial block if it
     # has pairs at all, so at most cdiv(pairs, BLOCK_M) + min(E, pairs) blocks (9 at one token)
@@ -364,7 +364,7 @@ def _stages_that_fit(device: torch.device, block_m: int, block_n: int, block_k: 
     return max(2, min(stages, shared // per_stage))
 
 
-def _route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def route_pairs(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`experts.route` (the same order and offsets): one launch of n / ROUTE_PAIRS programs up
     to MAX_ROUTED pairs, else the torch ops."""
     n = top_k_index.numel()

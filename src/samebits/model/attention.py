@@ -25,6 +25,7 @@ from samebits.kernels.attention import (
     packed_attention_backward_ref,
     paged_attention_ref,
 )
+from samebits.numerics.eager_op import EagerOp
 
 Tensor = torch.Tensor
 
@@ -140,11 +141,18 @@ def _paged_attention(
     )
 
 
+def _attention_kernel(device: str):
+    """The op's kernel on a device type: the Triton kernel on CUDA, the portable one elsewhere."""
+    if device == "cuda":
+        from samebits.kernels.attention_triton import paged_attention as triton_paged_attention
+
+        return triton_paged_attention
+    return paged_attention_ref
+
+
 @_paged_attention.register_kernel("cuda")
 def _(*args):  # the op's arguments, in its order
-    from samebits.kernels.attention_triton import paged_attention as triton_paged_attention
-
-    return triton_paged_attention(*args)
+    return _attention_kernel("cuda")(*args)
 
 
 @_paged_attention.register_fake
@@ -152,6 +160,10 @@ def _(
     q, k_cache, v_cache, block_table, query_start_loc, query_lens, seq_lens, max_query_len, scale, block_size
 ):
     return torch.empty_like(q)
+
+
+# eager calls run the kernel directly where that cannot differ from the op (numerics/eager_op.py)
+_paged_attention = EagerOp(_paged_attention, _attention_kernel)
 
 
 def _backward_cpu(grad_out, q, k, v, bounds, scale, cu_seqlens):

@@ -6,6 +6,10 @@ fake kernel, `torch.compile` cannot fuse or reorder it and CUDA-graph capture ke
 it is. Inside `batch_invariant()` the reductions these sequences call (mean, softmax, sum)
 go through the same row-invariant kernels as the transformers module does there.
 
+The names exported here are `EagerOp`s over those custom ops: an eager call runs the op's
+kernel directly where that cannot differ from the op (`numerics/eager_op.py`: custom_op's
+Python wrappers cost tens of us a call); `torch.ops.samebits.*` are the ops themselves.
+
 Ops with a device or profile choice have a CPU body and a CUDA kernel that both ask the
 registry (`numerics.registry.pick`): the registry's `TABLE` is where the choice is made.
 """
@@ -16,6 +20,7 @@ import torch
 
 from samebits.kernels.sample import race  # noqa: F401  (the engine's sampler races narrowed rows with it)
 from samebits.numerics import composite, scope
+from samebits.numerics.eager_op import EagerOp
 from samebits.numerics.registry import pick
 from samebits.numerics.warmup import warm_cpu_vector_math
 
@@ -66,8 +71,7 @@ def _(x, residual, weight, eps):
     return h, torch.empty_like(h, dtype=torch.promote_types(h.dtype, weight.dtype))
 
 
-@torch.library.custom_op("samebits::rotary_cos_sin", mutates_args=())
-def rotary_cos_sin(
+def _rotary_cos_sin(
     x: Tensor, position_ids: Tensor, inv_freq: Tensor, attention_scaling: float
 ) -> tuple[Tensor, Tensor]:
     """Qwen3MoeRotaryEmbedding.forward: position_ids (..., T) -> cos, sin (..., T, D) in x's dtype.
@@ -81,14 +85,16 @@ def rotary_cos_sin(
     return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
+rotary_cos_sin = torch.library.custom_op("samebits::rotary_cos_sin", _rotary_cos_sin, mutates_args=())
+
+
 @rotary_cos_sin.register_fake
 def _(x, position_ids, inv_freq, attention_scaling):
     shape = (*position_ids.shape, 2 * inv_freq.shape[0])
     return x.new_empty(shape), x.new_empty(shape)
 
 
-@torch.library.custom_op("samebits::mrope_cos_sin", mutates_args=())
-def mrope_cos_sin(
+def _mrope_cos_sin(
     x: Tensor,
     position_ids: Tensor,
     inv_freq: Tensor,
@@ -113,6 +119,9 @@ def _mrope_interleave(freq: Tensor, mrope_section: list[int]) -> Tensor:
         idx = slice(offset, mrope_section[row] * 3, 3)
         thw[..., idx] = freq[row, ..., idx]
     return torch.cat((thw, thw), dim=-1)
+
+
+mrope_cos_sin = torch.library.custom_op("samebits::mrope_cos_sin", _mrope_cos_sin, mutates_args=())
 
 
 @mrope_cos_sin.register_fake
@@ -159,8 +168,7 @@ def _(router_logits, top_k, norm_topk_prob):
     return router_logits.new_empty(shape), router_logits.new_empty(shape, dtype=torch.long)
 
 
-@torch.library.custom_op("samebits::deepstack_add", mutates_args=())
-def deepstack_add(hidden_states: Tensor, visual_pos_mask: Tensor, visual_embeds: Tensor) -> Tensor:
+def _deepstack_add(hidden_states: Tensor, visual_pos_mask: Tensor, visual_embeds: Tensor) -> Tensor:
     """Thinker `_deepstack_process`: add visual embeds to the *full* hidden state a layer returns.
 
     hidden [..., H], visual_pos_mask [...] bool, visual_embeds [N_visual, H].
@@ -169,6 +177,9 @@ def deepstack_add(hidden_states: Tensor, visual_pos_mask: Tensor, visual_embeds:
     out = hidden_states.clone()
     out[visual_pos_mask, :] = out[visual_pos_mask, :] + visual_embeds
     return out
+
+
+deepstack_add = torch.library.custom_op("samebits::deepstack_add", _deepstack_add, mutates_args=())
 
 
 @deepstack_add.register_fake
@@ -308,3 +319,33 @@ def _experts_backward(ctx, grad_out):
 
 
 experts.register_autograd(_experts_backward, setup_context=_experts_setup)
+
+
+class _ExpertsGrad(torch.autograd.Function):
+    """`experts` where autograd records, called eagerly: the op's kernel forward and the op's
+    backward, without the op's wrappers (numerics/eager_op.py)."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):
+        inputs = (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+        _experts_setup(ctx, inputs, None)
+        return pick("experts", hidden_states.device.type)(*inputs)
+
+    backward = staticmethod(_experts_backward)
+
+
+def _picked(name: str):
+    """The kernels of an op whose body and CUDA kernel are `pick(name, device)` (picked per call:
+    the profile is the calling thread's)."""
+    return lambda device: pick(name, device)
+
+
+# Eager calls run the kernels directly where that cannot differ from the op (numerics/eager_op.py).
+rms_norm = EagerOp(rms_norm, _picked("rms_norm"))
+add_rms_norm = EagerOp(add_rms_norm, _picked("add_rms_norm"))
+rotary_cos_sin = EagerOp(rotary_cos_sin, lambda device: _rotary_cos_sin)
+mrope_cos_sin = EagerOp(mrope_cos_sin, lambda device: _mrope_cos_sin)
+apply_rotary = EagerOp(apply_rotary, _picked("apply_rotary"))
+router = EagerOp(router, _picked("router"))
+deepstack_add = EagerOp(deepstack_add, lambda device: _deepstack_add)
+experts = EagerOp(experts, _picked("experts"), grad=_ExpertsGrad)

@@ -17,7 +17,9 @@ How an op is registered (follow this for a new op):
 3. Declare the op once, in `samebits.numerics.ops`, as a `torch.library.custom_op` whose
    body is `pick("foo", "cpu")(...)`; `@foo.register_kernel("cuda")` returns
    `pick("foo", "cuda")(...)`; `@foo.register_fake` gives shapes only; an op that is trained
-   through adds `register_autograd`.
+   through adds `register_autograd`. Export it as `EagerOp(foo, lambda device: pick("foo",
+   device))` (`numerics/eager_op.py`): eager calls then skip custom_op's Python wrappers,
+   with an autograd.Function over the same kernel and backward (`grad=`) if it is trained.
 
 The aten overrides of `batch_invariant()` follow the same table: `matmul`, `bmm` and
 `tree_sum` below are what its mm/addmm/bmm and sum/mean/softmax overrides run per device.
@@ -187,6 +189,13 @@ def _experts_triton(x, index, weights, gate_up, down):
 
 
 _NORM_BACKWARD_TRITON = _lazy("samebits.kernels.norm_backward_triton", "rms_norm_backward")
+_ROUTE_TRITON = _lazy("samebits.kernels.experts_triton", "route_pairs")
+
+
+def _experts_backward_cuda(grad_out, x, index, weights, gate_up, down, wants):
+    """The closed form, routed by the forward's one launch (`experts_triton.route_pairs`: the
+    order and offsets of `experts.route`) where the torch route is ~8 host ops."""
+    return experts_backward(grad_out, x, index, weights, gate_up, down, wants, route_pairs=_ROUTE_TRITON)
 
 
 def _rms_norm_backward_cuda(grad, x, weight, eps, wants):
@@ -433,7 +442,7 @@ TABLE: dict[str, dict[str, dict[str, Callable]]] = {
             "exact": _grads_by_recompute(_experts_ref_twin, invariant=True),
             "fast": _grads_by_recompute(experts_stock_ref, invariant=False),
         },
-        "cuda": {ANY: experts_backward},
+        "cuda": {ANY: _experts_backward_cuda},
     },
     # (grad, x, weight, eps, wants) -> (dx, dw): the closed form, stock arithmetic (no bitwise
     # contract); on CUDA one fused launch (trainer/forwards.py's RMSNorm backward)

@@ -1,0 +1,173 @@
+"""Eager calls of samebits' ops run the op's kernel directly, and only where that cannot differ
+from the op (`numerics/eager_op.py`): the same bits as `torch.ops.samebits.*` for every op,
+the op itself under a dispatch mode, fake tensors, a gradient with no autograd.Function, or
+mixed devices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from samebits.model import attention as attention_module
+from samebits.model.attention import AttentionBatch
+from samebits.numerics import ops
+from samebits.numerics.batch_invariant import batch_invariant
+from samebits.numerics.eager_op import EagerOp, direct_route
+from samebits.numerics.profile import FAST
+
+
+def _g(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape, seed=0, dtype=torch.bfloat16):
+    return torch.randn(*shape, generator=_g(seed)).to(dtype)
+
+
+def _calls():
+    """Each exported EagerOp with CPU arguments: (name, the EagerOp, its op, args)."""
+    t, h, e, k, i, heads, d = 5, 16, 6, 2, 8, 4, 8
+    x, w = _randn(t, h, seed=1), _randn(h, seed=2)
+    q, kk = _randn(t, heads, d, seed=3), _randn(t, 2, d, seed=4)
+    pos = torch.arange(t)[None]
+    inv = ops.rotary_inv_freq(d, 1e6)
+    cos, sin = ops.rotary_cos_sin(q, pos, inv, 1.0)
+    index = torch.stack([torch.randperm(e, generator=_g(10 + j))[:k] for j in range(t)])
+    weights = torch.softmax(torch.randn(t, k, generator=_g(5)), -1).to(torch.bfloat16)
+    gate_up, down = _randn(e, 2 * i, h, seed=6), _randn(e, h, i, seed=7)
+    mask = torch.tensor([True, False, True, False, False])
+    batch = AttentionBatch.packed([2, 3], "cpu")
+    fields = (batch.block_table, batch.query_start_loc, batch.query_lens, batch.seq_lens)
+    sam = torch.ops.samebits
+    return [
+        ("rms_norm", ops.rms_norm, sam.rms_norm, (x, w, 1e-6)),
+        ("add_rms_norm", ops.add_rms_norm, sam.add_rms_norm, (x, _randn(t, h, seed=8), w, 1e-6)),
+        ("rotary_cos_sin", ops.rotary_cos_sin, sam.rotary_cos_sin, (q, pos, inv, 1.0)),
+        ("mrope_cos_sin", ops.mrope_cos_sin, sam.mrope_cos_sin, (q, pos.expand(3, 1, t), inv, 1.0, [1, 1, 2])),
+        ("apply_rotary", ops.apply_rotary, sam.apply_rotary, (q, kk, cos[0], sin[0], 1)),
+        ("router", ops.router, sam.router, (_randn(t, e, seed=9), k, True)),
+        ("deepstack_add", ops.deepstack_add, sam.deepstack_add, (x, mask, _randn(2, h, seed=11))),
+        ("experts", ops.experts, sam.experts, (x, index, weights, gate_up, down)),
+        (
+            "paged_attention",
+            attention_module._paged_attention,
+            sam.paged_attention,
+            (q, kk, kk, *fields, batch.max_query_len, 0.3, batch.block_size),
+        ),
+    ]
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("where", ["plain", "batch_invariant", "fast"])
+def test_every_eager_op_gives_the_ops_bits(where):
+    context = {"plain": torch.no_grad, "batch_invariant": batch_invariant, "fast": FAST.context}[where]
+    names = []
+    for name, eager, op, args in _calls():
+        assert isinstance(eager, EagerOp), name
+        assert direct_route(args) == ("cpu", False), name  # the call below takes the direct path
+        with context():
+            assert _equal(eager(*args), op(*args)), (name, where)
+        names.append(name)
+    assert len(names) == 9
+
+
+def test_a_kernel_map_naming_another_kernel_is_caught():
+    """Control: the comparison above sees a direct kernel that is not the op's (the fast
+    profile's experts, called where the op runs the exact one)."""
+    from samebits.numerics.registry import pick
+
+    _, _, op, args = next(c for c in _calls() if c[0] == "experts")
+    wrong = EagerOp(op, lambda device: pick("experts", device, "fast"))
+    assert not torch.equal(wrong(*args), op(*args))
+
+
+class _Recorded:
+    """An EagerOp over a recording op and kernel: which of the two ran."""
+
+    def __init__(self, grad=None):
+        self.ran: list[str] = []
+
+        def op(x, y):
+            self.ran.append("op")
+            return x.clone()
+
+        def kernel(device):
+            self.ran.append(f"kernel:{device}")
+            return lambda x, y: x.clone()
+
+        self.eager = EagerOp(op, kernel, grad=grad)
+
+
+def test_the_direct_path_is_taken_only_where_it_cannot_differ():
+    x, y = torch.ones(3), torch.ones(3)
+    r = _Recorded()
+    r.eager(x, y)
+    assert r.ran == ["kernel:cpu"]
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    r.ran.clear()
+    with Passing():  # control: a dispatch mode is active, so the op runs
+        r.eager(x, y)
+    assert r.ran == ["op"]
+
+    r.ran.clear()
+    with FakeTensorMode() as mode:
+        r.eager(mode.from_tensor(x), mode.from_tensor(y))  # fake tensors (a subclass): the op
+    r.ran.clear()
+    r.eager(x, torch.ones(3, device="meta"))  # mixed devices: the op's dispatch decides
+    r.eager(torch.ones(3, device="meta"), torch.ones(3, device="meta"))  # not a registry device
+    assert r.ran == ["op", "op"]
+
+    r.ran.clear()
+    leaf = torch.ones(3, requires_grad=True)
+    r.eager(leaf, y)  # a gradient to record and no autograd.Function: the op (which refuses it)
+    with torch.no_grad():
+        r.eager(leaf, y)  # nothing recorded: direct
+    assert r.ran == ["op", "kernel:cpu"]
+
+
+def test_a_call_that_records_a_gradient_goes_through_grad():
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, y):
+            return x + y
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g, 2 * g
+
+    r = _Recorded(grad=Double)
+    leaf = torch.ones(3, requires_grad=True)
+    r.eager(leaf, torch.ones(3)).sum().backward()
+    assert r.ran == [] and torch.equal(leaf.grad, torch.full((3,), 2.0))
+
+
+def test_the_experts_gradients_are_the_ops():
+    """`ops.experts` with autograd recording runs `_ExpertsGrad`; its gradients are those of the
+    op's registered autograd, bit for bit (one backward function), inside batch_invariant()."""
+    _, _, op, (x, index, weights, gate_up, down) = next(c for c in _calls() if c[0] == "experts")
+    grad = _randn(*x.shape, seed=12)
+
+    def grads(fn):
+        leaves = [t.float().clone().requires_grad_() for t in (x, weights, gate_up, down)]
+        with batch_invariant():
+            out = fn(leaves[0], index, leaves[1], leaves[2], leaves[3])
+        out.backward(grad.float())
+        return [out.detach(), *(t.grad for t in leaves)]
+
+    assert direct_route((x.float().requires_grad_(),)) == ("cpu", True)
+    got, want = grads(ops.experts), grads(op)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    with FAST.context():  # control: the fast profile's forward and backward differ
+        fast = grads(op)
+    assert any(not torch.equal(a, b) for a, b in zip(got, fast, strict=True))
