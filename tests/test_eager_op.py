@@ -100,16 +100,23 @@ class _Recorded:
 
         def kernel(device):
             self.ran.append(f"kernel:{device}")
-            return lambda x, y: x.clone()
+            return self._below_autograd
 
         self.eager = EagerOp(op, kernel, grad=grad)
+
+    def _below_autograd(self, x, y):
+        """The kernel runs as the op runs it: autograd's dispatch keys excluded."""
+        key = torch._C.DispatchKey.AutogradFunctionality
+        self.ran.append(f"below autograd: {torch._C._dispatch_tls_is_dispatch_key_excluded(key)}")
+        return x.clone()
 
 
 def test_the_direct_path_is_taken_only_where_it_cannot_differ():
     x, y = torch.ones(3), torch.ones(3)
     r = _Recorded()
     r.eager(x, y)
-    assert r.ran == ["kernel:cpu"]
+    assert r.ran == ["kernel:cpu", "below autograd: True"]
+    assert not torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutogradFunctionality)
 
     class Passing(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -133,7 +140,7 @@ def test_the_direct_path_is_taken_only_where_it_cannot_differ():
     r.eager(leaf, y)  # a gradient to record and no autograd.Function: the op (which refuses it)
     with torch.no_grad():
         r.eager(leaf, y)  # nothing recorded: direct
-    assert r.ran == ["op", "kernel:cpu"]
+    assert r.ran == ["op", "kernel:cpu", "below autograd: True"]
 
 
 def test_a_call_that_records_a_gradient_goes_through_grad():

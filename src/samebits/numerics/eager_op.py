@@ -14,7 +14,8 @@ An `EagerOp` is called like the op. Where calling the kernel directly cannot dif
 op, it does: an eager call (not traced by torch.compile, no dispatch mode or functorch
 transform active) whose tensors are plain tensors (no subclass such as a fake tensor or a
 DTensor) on one device type the registry covers, with no gradient to record. The kernel is
-the very function the op's dispatch would have reached, on the same arguments, so the bits
+the very function the op's dispatch would have reached, on the same arguments, run below the
+autograd layer as the op runs it (each aten op inside skips autograd's wrapper), so the bits
 are the op's. A call that needs a gradient goes through `grad` (an autograd.Function over the
 same kernel and the op's own backward) where the op has one, and through the op otherwise
 (which refuses the backward, as before). Everything else goes through the op.
@@ -26,7 +27,8 @@ from collections.abc import Callable
 
 import torch
 
-DEVICES = ("cpu", "cuda")
+from samebits.numerics.registry import DEVICES
+
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -79,7 +81,8 @@ class EagerOp:
             return self.op(*args, **kwargs)
         if grad:
             return self.grad.apply(*args)
-        return self.kernel(device)(*args, **kwargs)
+        with torch._C._AutoDispatchBelowAutograd():  # as the op runs its kernel: no autograd layer
+            return self.kernel(device)(*args, **kwargs)
 
     def __getattr__(self, name):  # register_fake, register_kernel, ... : the op's
         if name in ("op", "kernel", "grad"):  # not set yet (copy, pickle): no recursion

@@ -329,7 +329,8 @@ class _ExpertsGrad(torch.autograd.Function):
     def forward(ctx, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):
         inputs = (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
         _experts_setup(ctx, inputs, None)
-        return pick("experts", hidden_states.device.type)(*inputs)
+        with torch._C._AutoDispatchBelowAutograd():  # as the op runs its kernel
+            return pick("experts", hidden_states.device.type)(*inputs)
 
     backward = staticmethod(_experts_backward)
 
