@@ -50,6 +50,7 @@ import triton.language as tl
 
 from samebits.kernels.attention_plan import BLOCK_M, plan
 from samebits.kernels.device_facts import sm_count
+from samebits.kernels.grid import cdiv, next_power_of_2
 from samebits.kernels.launch import fast_launch
 from samebits.kernels.pdl import launch_args, pdl_release, pdl_wait
 
@@ -460,11 +461,11 @@ def attention(
     b = q_len.shape[0]
     if t == 0 or b == 0 or max_q_len == 0:
         return out
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_power_of_2(d))
     path = plan(max_q_len, b, kvh, g, d, q.dtype, sm_count(q.device), split, transposed)
     split, transposed, rows, tokens_per_tile = path.split, path.transposed, path.rows, path.tokens_per_tile
     warps, stages = launch or (path.warps, path.stages)
-    chunks = triton.cdiv(block_table.shape[1] * page_size, chunk)  # a bound on any sequence's chunks
+    chunks = cdiv(block_table.shape[1] * page_size, chunk)  # a bound on any sequence's chunks
     merge_last = split and (path.merge_last if merge_last is None else merge_last)
     if split:
         part_m = torch.empty(t, chunks, h, dtype=torch.float32, device=q.device)
@@ -473,9 +474,9 @@ def attention(
         grid = (b, chunks, kvh)
     else:
         part_m = part_l = part_acc = out  # not read
-        grid = (b, triton.cdiv(max_q_len, tokens_per_tile), kvh)
+        grid = (b, cdiv(max_q_len, tokens_per_tile), kvh)
     tickets = _tickets(q.device, b * kvh) if merge_last else part_m  # not read unless merge_last
-    shape = dict(G=g, G_PAD=triton.next_power_of_2(g), D=d, BLOCK_D=block_d, CHUNK=chunk)
+    shape = dict(G=g, G_PAD=next_power_of_2(g), D=d, BLOCK_D=block_d, CHUNK=chunk)
     attention_kernel[grid](
         q, k_cache, v_cache, out, block_table, q_start, q_len, ctx_len, part_m, part_l, part_acc, chunks,
         tickets, scale, page_size,
@@ -531,7 +532,7 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     h, kvh, d = q.shape[1], k.shape[1], q.shape[2]
     if h % kvh:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({kvh})")
-    if triton.next_power_of_2(h // kvh) > BLOCK_M:
+    if next_power_of_2(h // kvh) > BLOCK_M:
         raise ValueError(f"attention (Triton) supports at most {BLOCK_M} query heads per kv head")
     if d > 256:
         raise ValueError(f"attention (Triton) supports head_dim <= 256, got {d}")

@@ -39,6 +39,7 @@ import triton.language as tl
 from samebits.kernels.device_facts import shared_memory_per_block
 from samebits.kernels.experts import route
 from samebits.kernels.experts_tiles import BLOCK_K, DECODE_TILES, m_in_grid_for, slot_tree_fits, tiles_for
+from samebits.kernels.grid import cdiv, next_power_of_2
 from samebits.kernels.launch import fast_launch
 from samebits.kernels.pdl import launch_args, pdl_release, pdl_wait
 from samebits.kernels.reduce import tree_sum_ref
@@ -284,10 +285,10 @@ def experts_forward(
     in_grid = m_in_grid_for(t * k) if m_in_grid is None else m_in_grid
     # M_IN_GRID: an expert's blocks are floor(its pairs / BLOCK_M), plus one partial block if it
     # has pairs at all, so at most cdiv(pairs, BLOCK_M) + min(E, pairs) blocks (9 at one token)
-    rows_axis = triton.cdiv(t * k, block_m) + min(e, t * k) if in_grid else e
-    grid_m = dict(M_IN_GRID=in_grid, E=e, E_PAD=triton.next_power_of_2(e))
+    rows_axis = cdiv(t * k, block_m) + min(e, t * k) if in_grid else e
+    grid_m = dict(M_IN_GRID=in_grid, E=e, E_PAD=next_power_of_2(e))
     inter = torch.empty(t * k, i, dtype=hidden_states.dtype, device=hidden_states.device)
-    gate_up_kernel[(rows_axis, triton.cdiv(i, block_n))](
+    gate_up_kernel[(rows_axis, cdiv(i, block_n))](
         hidden_states,
         gate_up_proj,
         inter,
@@ -309,7 +310,7 @@ def experts_forward(
         **launch_args(hidden_states.device),
     )
     per_slot = torch.empty(t * k, h, dtype=torch.float32, device=hidden_states.device)
-    down_kernel[(rows_axis, triton.cdiv(h, block_n))](
+    down_kernel[(rows_axis, cdiv(h, block_n))](
         inter,
         down_proj,
         per_slot,
@@ -347,9 +348,7 @@ def slot_sum(slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     slots = slots.contiguous()
     out = torch.empty(t, h, dtype=dtype, device=slots.device)
     if t:
-        slot_sum_kernel[(t, triton.cdiv(h, SLOT_BLOCK_H))](
-            slots, out, h, K=k, BLOCK_H=SLOT_BLOCK_H, num_warps=4
-        )
+        slot_sum_kernel[(t, cdiv(h, SLOT_BLOCK_H))](slots, out, h, K=k, BLOCK_H=SLOT_BLOCK_H, num_warps=4)
     return out
 
 
@@ -375,11 +374,11 @@ def route_pairs(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     if n == 0:
         return order, torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=flat.device)
-    n_pad = triton.next_power_of_2(n)
+    n_pad = next_power_of_2(n)
     pairs = min(ROUTE_PAIRS, n_pad)
-    route_kernel[(triton.cdiv(n, pairs),)](
+    route_kernel[(cdiv(n, pairs),)](
         flat, order, offsets, n,
-        N_PAD=n_pad, E=num_experts, E_PAD=triton.next_power_of_2(num_experts), PAIRS=pairs, num_warps=4,
+        N_PAD=n_pad, E=num_experts, E_PAD=next_power_of_2(num_experts), PAIRS=pairs, num_warps=4,
         **launch_args(flat.device),
     )  # fmt: skip
     return order, offsets

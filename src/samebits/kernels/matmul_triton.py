@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from samebits.kernels.grid import cdiv
 from samebits.kernels.launch import fast_launch
 from samebits.kernels.matmul_tiles import tiles_for
 from samebits.kernels.pdl import launch_args, pdl_release, pdl_wait
@@ -114,7 +115,7 @@ def matmul(
     ieee = a.dtype == torch.float32
     block_k = FP32_BLOCK_K if ieee else BLOCK_K
     block_m, block_n, warps, stages = tiles or tiles_for(m, n)
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    grid = (cdiv(m, block_m) * cdiv(n, block_n),)
     matmul_kernel[grid](
         a,
         b,

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from samebits.kernels.device_facts import sm_count
+from samebits.kernels.grid import cdiv, next_power_of_2
 from samebits.kernels.launch import fast_launch
 
 MAX_WIDTH = 8192  # one row in registers
@@ -93,10 +94,10 @@ def rms_norm_backward(
     if rows == 0:
         return (dx.view(x.shape) if wants[0] else None), (torch.zeros_like(weight) if wants[1] else None)
     programs = min(rows, _PROGRAMS_PER_SM * sm_count(x.device))
-    per_program = triton.cdiv(rows, programs)
-    programs = triton.cdiv(rows, per_program)
+    per_program = cdiv(rows, programs)
+    programs = cdiv(rows, per_program)
     part = torch.empty(programs, n, dtype=torch.float32, device=x.device) if wants[1] else x2
-    block = triton.next_power_of_2(n)
+    block = next_power_of_2(n)
     rms_norm_backward_kernel[(programs,)](
         dy2,
         x2,

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from samebits.kernels.experts_tiles import slot_tree_fits
 from samebits.kernels.experts_triton import _slot_tree_sum
+from samebits.kernels.grid import next_power_of_2
 from samebits.kernels.launch import fast_launch
 from samebits.kernels.pdl import launch_args, pdl_release, pdl_wait
 from samebits.kernels.reduce_triton import tree_sum_block
@@ -93,7 +94,7 @@ def slot_add_rms_norm(slots: torch.Tensor, residual: torch.Tensor, weight: torch
     r2 = residual.contiguous()
     out = torch.empty(t, h, dtype=torch.promote_types(residual.dtype, weight.dtype), device=residual.device)
     summed = torch.empty_like(r2)
-    block = triton.next_power_of_2(h)
+    block = next_power_of_2(h)
     if t:
         rms_norm_kernel[(t,)](
             slots, r2, weight, out, summed, h, float(np.float32(1.0) / np.float32(h)), eps,
@@ -113,7 +114,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     summed = torch.empty_like(x2) if residual is not None else out
     r2 = residual.reshape(-1, h).contiguous() if residual is not None else x2
-    block = triton.next_power_of_2(h)
+    block = next_power_of_2(h)
     if x2.shape[0]:
         rms_norm_kernel[(x2.shape[0],)](
             x2,
@@ -189,7 +190,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
                 out.stride(1),
                 cos.stride(0),
                 HALF=x.shape[2] // 2,
-                BLOCK_H=triton.next_power_of_2(x.shape[1]),
+                BLOCK_H=next_power_of_2(x.shape[1]),
                 num_warps=4,
                 enable_fp_fusion=False,  # keep each product rounded before the add
             )
@@ -309,7 +310,7 @@ def qk_norm_rope_cache(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_ca
             q, k, v, q_weight, k_weight, cos, sin, out, k_cache, v_cache, slot_mapping,
             h, k.shape[1], float(np.float32(1.0) / np.float32(d)), eps,
             q.stride(0), k.stride(0), v.stride(0), cos.stride(0), out.stride(0), k_cache.stride(0),
-            BLOCK_H=triton.next_power_of_2(h), BLOCK_KVH=triton.next_power_of_2(k.shape[1]), D=d,
+            BLOCK_H=next_power_of_2(h), BLOCK_KVH=next_power_of_2(k.shape[1]), D=d,
             num_warps=4, enable_fp_fusion=False, **launch_args(q.device),
         )  # fmt: skip
     return out

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from samebits.kernels.grid import next_power_of_2
 from samebits.kernels.launch import fast_launch
 
 MAX_WIDTH = 8192  # the widest row tree_sum_block reduces (13 halvings)
@@ -91,6 +92,6 @@ def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Ten
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
     if rows.shape[0]:
-        tree_sum_kernel[(rows.shape[0],)](rows, out, n, rows.stride(0), BLOCK=triton.next_power_of_2(n))
+        tree_sum_kernel[(rows.shape[0],)](rows, out, n, rows.stride(0), BLOCK=next_power_of_2(n))
     out = out.view(moved.shape[:-1])
     return out.unsqueeze(-1).movedim(-1, dim) if keepdim else out

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from samebits.kernels.grid import cdiv
 from samebits.kernels.launch import fast_launch
 from samebits.kernels.norm_rope_triton import _row_tree
 from samebits.kernels.pdl import launch_args, pdl_release, pdl_wait
@@ -137,7 +138,7 @@ def router(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tup
     weights = torch.empty(t, top_k, dtype=router_logits.dtype, device=router_logits.device)
     index = torch.empty(t, top_k, dtype=torch.int64, device=router_logits.device)
     if t:
-        router_kernel[(triton.cdiv(t, ROWS),)](
+        router_kernel[(cdiv(t, ROWS),)](
             router_logits, weights, index, t, router_logits.stride(0),
             ROWS=ROWS, E=router_logits.shape[1], K=top_k, NORM=norm_topk_prob,
             num_warps=4, enable_fp_fusion=False, **launch_args(router_logits.device),

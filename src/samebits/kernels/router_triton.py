@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from samebits.kernels.grid import cdiv
 from samebits.kernels.launch import fast_launch
 from samebits.kernels.norm_rope_triton import _row_tree
 from samebits.kernels.sample_triton import _expf
@@ -105,7 +106,7 @@ def router(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tup
     t = top_value.shape[0]
     weights = torch.empty(t, top_k, dtype=router_logits.dtype, device=router_logits.device)
     if t:
-        renorm_kernel[(triton.cdiv(t, ROWS),)](
+        renorm_kernel[(cdiv(t, ROWS),)](
             top_value, weights, t, ROWS=ROWS, K=top_k, num_warps=1, enable_fp_fusion=False
         )
     return weights, top_index
@@ -116,7 +117,7 @@ def softmax(router_logits: torch.Tensor) -> torch.Tensor:
     t, e = router_logits.shape
     probs = torch.empty(t, e, dtype=torch.float32, device=router_logits.device)
     if t:
-        softmax_kernel[(triton.cdiv(t, ROWS),)](
+        softmax_kernel[(cdiv(t, ROWS),)](
             router_logits, probs, t, router_logits.stride(0),
             ROWS=ROWS, E=e, num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip

@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from samebits.kernels.grid import cdiv, next_power_of_2
 from samebits.kernels.launch import fast_launch
 from samebits.kernels.reduce_triton import _INTERPRET, MAX_WIDTH, tree_sum_block
 from samebits.kernels.sample import MIX1, MIX2, UNIFORM_BITS
@@ -83,7 +84,7 @@ else:
 
 def _shape(vocab: int) -> tuple[int, int, int, int]:
     """-> (S, L, C, P): strided elements per lane, lanes per program, lanes, programs per row."""
-    c = triton.next_power_of_2(vocab) // STRIDED
+    c = next_power_of_2(vocab) // STRIDED
     return STRIDED, LANES, c, max(c // LANES, 1)
 
 
@@ -303,7 +304,7 @@ def sample(
     f32 = dict(dtype=torch.float32, device=dev)
     i32 = dict(dtype=torch.int32, device=dev)
     max_val, max_idx = torch.empty(n, p, **f32), torch.empty(n, p, **i32)
-    pr = triton.cdiv(vocab, RACE_BLOCK)  # the race's programs per row (contiguous ids)
+    pr = cdiv(vocab, RACE_BLOCK)  # the race's programs per row (contiguous ids)
     race_val, race_idx, positive = (
         torch.empty(n, pr, **f32),
         torch.empty(n, pr, **i32),
@@ -322,7 +323,7 @@ def sample(
     )  # fmt: skip
     _finish_kernel[(n,)](
         logits, stride, vocab, temps, random_row, max_val, max_idx, race_val, race_idx, positive, shift,
-        log_total, tokens, out_lp, P=p, PR=pr, PR_PAD=triton.next_power_of_2(pr), num_warps=1,
+        log_total, tokens, out_lp, P=p, PR=pr, PR_PAD=next_power_of_2(pr), num_warps=1,
         enable_fp_fusion=False,
     )  # fmt: skip
     return tokens, out_lp
@@ -375,7 +376,7 @@ def log_softmax(x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     _max_kernel[(n, p)](x, stride, vocab, max_val, max_idx, **tile)
     _sum_kernel[(n, p)](x, stride, vocab, ones, max_val, lane_sums, **tile)
     _total_kernel[(n,)](lane_sums, log_total, C=c, num_warps=8)
-    _log_softmax_kernel[(n, triton.cdiv(vocab, WRITE_BLOCK))](
+    _log_softmax_kernel[(n, cdiv(vocab, WRITE_BLOCK))](
         x, stride, vocab, ones, max_val, log_total, out, out.stride(0),
         P=p, BLOCK=WRITE_BLOCK, num_warps=8, enable_fp_fusion=False,
     )  # fmt: skip

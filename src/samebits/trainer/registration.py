@@ -67,9 +67,14 @@ def samebits_attention(module, query, key, value, attention_mask, scaling=None, 
                 "samebits attention trains on packed rows only: call the model with use_cache=False"
             )
         batch = AttentionBatch.build([range(sk)], [sk - s], [s], 1, q.device)
-        return torch.stack([attention(q[i], k[i], v[i], batch, scale) for i in range(b)]), None
+        return _rows([attention(q[i], k[i], v[i], batch, scale) for i in range(b)]), None
     batches = _row_batches(kwargs.get("position_ids"), b, s, q.device)
-    return torch.stack([packed_attention(q[i], k[i], v[i], batches[i], scale) for i in range(b)]), None
+    return _rows([packed_attention(q[i], k[i], v[i], batches[i], scale) for i in range(b)]), None
+
+
+def _rows(outs: list[torch.Tensor]) -> torch.Tensor:
+    """Per-row outputs [S, H, D] -> [B, S, H, D]; one row (a packed micro-batch) as a view, not a copy."""
+    return outs[0].unsqueeze(0) if len(outs) == 1 else torch.stack(outs)
 
 
 def _row_batches(position_ids, b: int, s: int, device) -> list[AttentionBatch]:
