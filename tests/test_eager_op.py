@@ -178,3 +178,16 @@ def test_the_experts_gradients_are_the_ops():
     with FAST.context():  # control: the fast profile's forward and backward differ
         fast = grads(op)
     assert any(not torch.equal(a, b) for a, b in zip(got, fast, strict=True))
+
+
+def test_torch_compile_sees_the_op():
+    """Traced by torch.compile, the exported name is the opaque op (nothing fuses into it or
+    reorders it); the compiled call gives the eager call's bits."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    name, eager, op, args = _calls()[0]
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(lambda *a: eager(*a) * 2, backend=counter, fullgraph=True)
+    assert torch.equal(compiled(*args), eager(*args) * 2)
+    targets = [n.target for n in counter.graphs[0].graph.nodes if n.op == "call_function"]
+    assert torch.ops.samebits.rms_norm.default in targets, targets
