@@ -22,39 +22,44 @@ def _g(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _randn(*shape, seed=0, dtype=torch.bfloat16):
-    return torch.randn(*shape, generator=_g(seed)).to(dtype)
+def _randn(*shape, seed=0, device="cpu", dtype=torch.bfloat16):
+    return torch.randn(*shape, generator=_g(seed)).to(dtype).to(device)
 
 
-def _calls():
-    """Each exported EagerOp with CPU arguments: (name, the EagerOp, its op, args)."""
-    t, h, e, k, i, heads, d = 5, 16, 6, 2, 8, 4, 8
-    x, w = _randn(t, h, seed=1), _randn(h, seed=2)
-    q, kk = _randn(t, heads, d, seed=3), _randn(t, 2, d, seed=4)
-    pos = torch.arange(t)[None]
-    inv = ops.rotary_inv_freq(d, 1e6)
+def _calls(device: str = "cpu"):
+    """Each exported EagerOp with arguments on `device`, at shapes the CUDA kernels take
+    (powers of two, head dim 64): (name, the EagerOp, its op, args)."""
+    t, h, e, k, i, heads, d = 5, 128, 8, 2, 64, 4, 64
+
+    def r(*shape, seed):
+        return _randn(*shape, seed=seed, device=device)
+
+    x, w = r(t, h, seed=1), r(h, seed=2)
+    q, kk = r(t, heads, d, seed=3), r(t, 2, d, seed=4)
+    pos = torch.arange(t, device=device)[None]
+    inv = ops.rotary_inv_freq(d, 1e6).to(device)
     cos, sin = ops.rotary_cos_sin(q, pos, inv, 1.0)
-    index = torch.stack([torch.randperm(e, generator=_g(10 + j))[:k] for j in range(t)])
-    weights = torch.softmax(torch.randn(t, k, generator=_g(5)), -1).to(torch.bfloat16)
-    gate_up, down = _randn(e, 2 * i, h, seed=6), _randn(e, h, i, seed=7)
-    mask = torch.tensor([True, False, True, False, False])
-    batch = AttentionBatch.packed([2, 3], "cpu")
+    index = torch.stack([torch.randperm(e, generator=_g(10 + j))[:k] for j in range(t)]).to(device)
+    weights = torch.softmax(torch.randn(t, k, generator=_g(5)), -1).to(torch.bfloat16).to(device)
+    gate_up, down = r(e, 2 * i, h, seed=6), r(e, h, i, seed=7)
+    mask = torch.tensor([True, False, True, False, False], device=device)
+    batch = AttentionBatch.packed([2, 3], device)
     fields = (batch.block_table, batch.query_start_loc, batch.query_lens, batch.seq_lens)
     sam = torch.ops.samebits
     return [
         ("rms_norm", ops.rms_norm, sam.rms_norm, (x, w, 1e-6)),
-        ("add_rms_norm", ops.add_rms_norm, sam.add_rms_norm, (x, _randn(t, h, seed=8), w, 1e-6)),
+        ("add_rms_norm", ops.add_rms_norm, sam.add_rms_norm, (x, r(t, h, seed=8), w, 1e-6)),
         ("rotary_cos_sin", ops.rotary_cos_sin, sam.rotary_cos_sin, (q, pos, inv, 1.0)),
-        ("mrope_cos_sin", ops.mrope_cos_sin, sam.mrope_cos_sin, (q, pos.expand(3, 1, t), inv, 1.0, [1, 1, 2])),
+        ("mrope_cos_sin", ops.mrope_cos_sin, sam.mrope_cos_sin, (q, pos.expand(3, 1, t), inv, 1.0, [8, 12, 4])),
         ("apply_rotary", ops.apply_rotary, sam.apply_rotary, (q, kk, cos[0], sin[0], 1)),
-        ("router", ops.router, sam.router, (_randn(t, e, seed=9), k, True)),
-        ("deepstack_add", ops.deepstack_add, sam.deepstack_add, (x, mask, _randn(2, h, seed=11))),
+        ("router", ops.router, sam.router, (r(t, e, seed=9), k, True)),
+        ("deepstack_add", ops.deepstack_add, sam.deepstack_add, (x, mask, r(2, h, seed=11))),
         ("experts", ops.experts, sam.experts, (x, index, weights, gate_up, down)),
         (
             "paged_attention",
             attention_module._paged_attention,
             sam.paged_attention,
-            (q, kk, kk, *fields, batch.max_query_len, 0.3, batch.block_size),
+            (q, kk, kk, *fields, batch.max_query_len, 0.125, batch.block_size),
         ),
     ]
 
@@ -65,17 +70,28 @@ def _equal(a, b) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("where", ["plain", "batch_invariant", "fast"])
-def test_every_eager_op_gives_the_ops_bits(where):
+def _every_op_gives_the_ops_bits(device: str, where: str) -> None:
     context = {"plain": torch.no_grad, "batch_invariant": batch_invariant, "fast": FAST.context}[where]
     names = []
-    for name, eager, op, args in _calls():
+    for name, eager, op, args in _calls(device):
         assert isinstance(eager, EagerOp), name
-        assert direct_route(args) == ("cpu", False), name  # the call below takes the direct path
+        assert direct_route(args) == (device, False), name  # the call below takes the direct path
         with context():
             assert _equal(eager(*args), op(*args)), (name, where)
         names.append(name)
     assert len(names) == 9
+
+
+@pytest.mark.parametrize("where", ["plain", "batch_invariant", "fast"])
+def test_every_eager_op_gives_the_ops_bits(where):
+    _every_op_gives_the_ops_bits("cpu", where)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["plain", "batch_invariant", "fast"])
+def test_every_eager_op_gives_the_ops_bits_on_cuda(where):
+    """The same on CUDA, where the kernels are Triton's (and the control below is the CPU's)."""
+    _every_op_gives_the_ops_bits("cuda", where)
 
 
 def test_a_kernel_map_naming_another_kernel_is_caught():
@@ -159,25 +175,36 @@ def test_a_call_that_records_a_gradient_goes_through_grad():
     assert r.ran == [] and torch.equal(leaf.grad, torch.full((3,), 2.0))
 
 
-def test_the_experts_gradients_are_the_ops():
-    """`ops.experts` with autograd recording runs `_ExpertsGrad`; its gradients are those of the
-    op's registered autograd, bit for bit (one backward function), inside batch_invariant()."""
-    _, _, op, (x, index, weights, gate_up, down) = next(c for c in _calls() if c[0] == "experts")
-    grad = _randn(*x.shape, seed=12)
+def _experts_gradients_are_the_ops(device: str, dtype: torch.dtype) -> None:
+    _, _, op, (x, index, weights, gate_up, down) = next(c for c in _calls(device) if c[0] == "experts")
+    grad = _randn(*x.shape, seed=12, device=device)
 
     def grads(fn):
-        leaves = [t.float().clone().requires_grad_() for t in (x, weights, gate_up, down)]
+        leaves = [t.to(dtype).clone().requires_grad_() for t in (x, weights, gate_up, down)]
         with batch_invariant():
             out = fn(leaves[0], index, leaves[1], leaves[2], leaves[3])
-        out.backward(grad.float())
+        out.backward(grad.to(dtype))
         return [out.detach(), *(t.grad for t in leaves)]
 
-    assert direct_route((x.float().requires_grad_(),)) == ("cpu", True)
+    assert direct_route((x.to(dtype).requires_grad_(),)) == (device, True)
     got, want = grads(ops.experts), grads(op)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     with FAST.context():  # control: the fast profile's forward and backward differ
         fast = grads(op)
     assert any(not torch.equal(a, b) for a, b in zip(got, fast, strict=True))
+
+
+def test_the_experts_gradients_are_the_ops():
+    """`ops.experts` with autograd recording runs `_ExpertsGrad`; its output and gradients are
+    those of the op's registered autograd, bit for bit (one forward kernel, one backward
+    function), inside batch_invariant()."""
+    _experts_gradients_are_the_ops("cpu", torch.float32)
+
+
+@pytest.mark.gpu
+def test_the_experts_gradients_are_the_ops_on_cuda():
+    """The same on CUDA: the Triton forward, the closed-form backward routed by `route_pairs`."""
+    _experts_gradients_are_the_ops("cuda", torch.bfloat16)
 
 
 def test_torch_compile_sees_the_op():
