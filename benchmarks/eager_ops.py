@@ -99,12 +99,19 @@ def main() -> None:
     rows = {}
     for name, (eager, op) in calls_under_test(args.device).items():
         calls = args.calls // 10 if "backward" in name else args.calls
-        us = per_call_us({"op_us": op, "eager_us": eager}, args.device, calls)
+        try:
+            us = per_call_us({"op_us": op, "eager_us": eager}, args.device, calls)
+        except Exception as e:  # one call this device refuses: the row says so, the rest still run
+            rows[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
+            continue
         rows[name] = {**us, "saved_us": us["op_us"] - us["eager_us"]}
     table = Table(title=f"host us a call, {args.device}, tiny inputs (median of 7 interleaved means)")
     for col in ("call", "torch.ops.samebits", "samebits (EagerOp)", "saved"):
         table.add_column(col, justify="left" if col == "call" else "right")
     for name, row in rows.items():
+        if "error" in row:
+            table.add_row(name, row["error"], "", "")
+            continue
         table.add_row(name, *(f"{row[k]:.1f}" for k in ("op_us", "eager_us", "saved_us")))
     Console(width=120).print(table)
     if args.json:
