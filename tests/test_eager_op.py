@@ -5,9 +5,12 @@ mixed devices."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from samebits.model import attention as attention_module
@@ -146,10 +149,31 @@ def test_the_direct_path_is_taken_only_where_it_cannot_differ():
     r.ran.clear()
     with FakeTensorMode() as mode:
         r.eager(mode.from_tensor(x), mode.from_tensor(y))  # fake tensors (a subclass): the op
+    assert r.ran == ["op"]
+
+    class Sub(torch.Tensor):
+        pass
+
     r.ran.clear()
+    r.eager(x.as_subclass(Sub), y)  # a tensor subclass, no mode active: the op
     r.eager(x, torch.ones(3, device="meta"))  # mixed devices: the op's dispatch decides
     r.eager(torch.ones(3, device="meta"), torch.ones(3, device="meta"))  # not a registry device
-    assert r.ran == ["op", "op"]
+    r.eager(x, y=y)  # by keyword: the op binds the schema's names
+    assert r.ran == ["op"] * 4
+
+    class Recording(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    r.ran.clear()
+    with Recording():  # a torch function mode (as `with torch.device(...)` is): the op
+        r.eager(x, y)
+    with torch.device("cpu"):
+        r.eager(x, y)
+    with warnings.catch_warnings():  # torch.jit.trace is deprecated, and still traces
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.trace(lambda a, b: r.eager(a, b), (x, y), check_trace=False)  # TorchScript: the op
+    assert r.ran == ["op"] * 3
 
     r.ran.clear()
     leaf = torch.ones(3, requires_grad=True)
@@ -189,6 +213,8 @@ def _experts_gradients_are_the_ops(device: str, dtype: torch.dtype, other_backwa
         return [out.detach(), *(t.grad for t in leaves)]
 
     assert direct_route((x.to(dtype).requires_grad_(),)) == (device, True)
+    leaf = x.to(dtype).requires_grad_()
+    assert type(ops.experts(leaf, index, weights, gate_up, down).grad_fn).__name__ == "_ExpertsGradBackward"
     got, want = grads(ops.experts), grads(op)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     with other_backward():
@@ -231,6 +257,12 @@ def _recompute_backward(device: str):
             table.update(saved)
 
     return swapped
+
+
+def test_kernels_are_registered_on_the_op_not_the_eager_op():
+    with pytest.raises(AttributeError, match="registry"):
+        ops.rms_norm.register_kernel("cuda")
+    assert callable(ops.rms_norm.register_fake)  # the rest is the op's
 
 
 def test_torch_compile_sees_the_op():

@@ -73,7 +73,8 @@ def experts_backward(
     where not wanted: the gradients of `experts_grouped_mm` (SiLU) in three grouped GEMMs, five
     when the expert weights want theirs (returned contiguous, in the parameters' layout).
     `route_pairs`: `experts.route` or a kernel giving its (order, offsets) (on CUDA the
-    forward's one-launch routing)."""
+    forward's one-launch routing). Expert ids must lie in [0, E), as the forward requires:
+    the order must be a permutation of the pairs (every row is put back by it)."""
     t, k = top_k_index.shape
     if t == 0:
         zeros = (hidden_states, top_k_weights, gate_up_proj, down_proj)

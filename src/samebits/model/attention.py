@@ -9,8 +9,9 @@ B = sequences, P = pages of the longest sequence.
 
 `samebits::paged_attention` is the one op that reads it: on the CPU the portable
 `paged_attention_ref`, on CUDA the Triton kernel, both reading keys through the
-block table, each with one numerics for every path. The choice is the op's
-dispatch on the tensors' device, nowhere else.
+block table, each with one numerics for every path. The choice is the tensors'
+device: the op's dispatch, or for an eager call `_attention_kernel` (the same
+kernel, called without custom_op's wrappers: `numerics/eager_op.py`).
 """
 
 from __future__ import annotations

@@ -11,14 +11,17 @@ bound by host time (docs/perf-notes.md), and it calls the experts and attention 
 layer of every micro-batch.
 
 An `EagerOp` is called like the op. Where calling the kernel directly cannot differ from the
-op, it does: an eager call (not traced by torch.compile, no dispatch mode or functorch
-transform active) whose tensors are plain tensors (no subclass such as a fake tensor or a
-DTensor) on one device type the registry covers, with no gradient to record. The kernel is
+op, it does: an eager call by position (no torch.compile trace, Python dispatch mode, torch
+function mode, functorch transform or TorchScript trace active) whose tensors are plain
+tensors (no subclass such as a fake tensor or a DTensor) on one device type the registry
+covers, with no gradient to record. The kernel is
 the very function the op's dispatch would have reached, on the same arguments, run below the
 autograd layer as the op runs it (each aten op inside skips autograd's wrapper), so the bits
 are the op's. A call that needs a gradient goes through `grad` (an autograd.Function over the
 same kernel and the op's own backward) where the op has one, and through the op otherwise
-(which refuses the backward, as before). Everything else goes through the op.
+(which refuses the backward, as before). Everything else goes through the op. What the direct
+path does not do: the op's profiler range and its check that outputs do not alias inputs
+(samebits' kernels return fresh tensors).
 """
 
 from __future__ import annotations
@@ -33,12 +36,15 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _transformed() -> bool:
-    """A torch.compile trace, a Python dispatch mode (fake tensors, profilers' counters) or a
-    functorch transform (vmap, grad) is active: the op must be seen as one."""
+    """Something that must see the op as one call is active: a torch.compile trace, a Python
+    dispatch mode (fake tensors, counters), a torch function mode (`with torch.device(...)`
+    included), a functorch transform (vmap, grad) or the TorchScript tracer."""
     return (
         torch.compiler.is_compiling()
         or torch._C._len_torch_dispatch_stack() > 0
+        or torch._C._is_torch_function_mode_enabled()
         or torch._C._functorch.peek_interpreter_stack() is not None
+        or torch._C._get_tracing_state() is not None
     )
 
 
@@ -76,15 +82,22 @@ class EagerOp:
         self.__doc__ = getattr(op, "_init_fn", op).__doc__  # a CustomOpDef keeps its function there
 
     def __call__(self, *args, **kwargs):
-        device, grad = direct_route((*args, *kwargs.values()))
-        if device is None or (grad and (self.grad is None or kwargs)):
+        if kwargs:  # the kernels' parameter names are not the schema's: the op binds them
             return self.op(*args, **kwargs)
+        device, grad = direct_route(args)
+        if device is None or (grad and self.grad is None):
+            return self.op(*args)
         if grad:
             return self.grad.apply(*args)
         with torch._C._AutoDispatchBelowAutograd():  # as the op runs its kernel: no autograd layer
-            return self.kernel(device)(*args, **kwargs)
+            return self.kernel(device)(*args)
 
-    def __getattr__(self, name):  # register_fake, register_kernel, ... : the op's
+    def __getattr__(self, name):  # register_fake, register_autograd, ... : the op's
         if name in ("op", "kernel", "grad"):  # not set yet (copy, pickle): no recursion
             raise AttributeError(name)
+        if name in ("register_kernel", "set_kernel_enabled"):
+            raise AttributeError(
+                f"EagerOp.{name}: eager calls run `kernel(device)` (the registry's pick), not the op's "
+                "kernels; register on the op before wrapping it, and change the registry's TABLE"
+            )
         return getattr(self.op, name)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import sys
 from collections.abc import Callable
 
 import torch
@@ -52,9 +51,12 @@ DEVICES = ("cpu", "cuda")
 def _lazy(module: str, name: str) -> Callable:
     """A CUDA implementation, imported on its first call (Triton is imported only on CUDA)."""
 
-    def call(*args, **kwargs):  # looked up per call (tests patch the module); sys.modules first:
-        # `import_module` costs ~2 us a call even when imported, on every CUDA op of the trainer
-        return getattr(sys.modules.get(module) or importlib.import_module(module), name)(*args, **kwargs)
+    loaded: list = []  # the module once `import_module` has returned (~2 us a call even when imported)
+
+    def call(*args, **kwargs):  # the name looked up per call: tests patch the module
+        if not loaded:
+            loaded.append(importlib.import_module(module))
+        return getattr(loaded[0], name)(*args, **kwargs)
 
     call.__qualname__ = f"{module}.{name}"
     return call
