@@ -7,8 +7,8 @@ host time is its launcher's Python (checks, allocations, grid and block arithmet
 launch keywords) plus the C launcher and the driver. This times the first part on any
 machine: the launchers run on CPU tensors posing as CUDA ones, every `*_kernel[grid](...)`
 launch replaced by a no-op, at the trainer's shapes (a 512-token micro-batch of the
-Qwen3-30B-A3B layer). Prints us a call (median of 7 means), and with `--profile` the top
-functions by own time. It found Triton 3.6's host `cdiv` / `next_power_of_2` at ~7 us a
+Qwen3-30B-A3B layer). Prints us a call (median of 7 means, `eager_ops.per_call_us`), and
+with `--profile` the top functions by own time. It found Triton 3.6's host `cdiv` / `next_power_of_2` at ~7 us a
 call (`kernels/grid.py`). A probe: nothing it runs computes anything.
 """
 
@@ -18,10 +18,9 @@ import argparse
 import cProfile
 import importlib
 import pstats
-import statistics
-import time
 
 import torch
+from eager_ops import per_call_us  # noqa: E402 - a sibling script (benchmarks/ is on the path when run)
 
 MODULES = ("matmul_triton", "norm_rope_triton", "norm_backward_triton", "attention_triton", "experts_triton")
 
@@ -85,18 +84,6 @@ def calls(mods: dict) -> dict:
     }
 
 
-def per_call_us(fn, n: int, rounds: int = 7) -> float:
-    for _ in range(50):
-        fn()
-    means = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        means.append(1e6 * (time.perf_counter() - t0) / n)
-    return statistics.median(means)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=2000)
@@ -110,7 +97,7 @@ def main() -> None:
     table.add_column("launcher")
     table.add_column("us", justify="right")
     for name, fn in calls(mods).items():
-        table.add_row(name, f"{per_call_us(fn, args.calls):.1f}")
+        table.add_row(name, f"{per_call_us({name: fn}, 'cpu', args.calls)[name]:.1f}")
         if args.profile:
             prof = cProfile.Profile()
             prof.runcall(lambda fn=fn: [fn() for _ in range(args.calls)])

@@ -27,6 +27,7 @@ from samebits.kernels.attention import (
     paged_attention_ref,
 )
 from samebits.numerics.eager_op import EagerOp
+from samebits.numerics.registry import _lazy
 
 Tensor = torch.Tensor
 
@@ -142,18 +143,18 @@ def _paged_attention(
     )
 
 
+# the Triton kernel, imported on its first call (the registry's lazy CUDA implementations)
+_TRITON_ATTENTION = _lazy("samebits.kernels.attention_triton", "paged_attention")
+
+
 def _attention_kernel(device: str):
     """The op's kernel on a device type: the Triton kernel on CUDA, the portable one elsewhere."""
-    if device == "cuda":
-        from samebits.kernels.attention_triton import paged_attention as triton_paged_attention
-
-        return triton_paged_attention
-    return paged_attention_ref
+    return _TRITON_ATTENTION if device == "cuda" else paged_attention_ref
 
 
 @_paged_attention.register_kernel("cuda")
 def _(*args):  # the op's arguments, in its order
-    return _attention_kernel("cuda")(*args)
+    return _TRITON_ATTENTION(*args)
 
 
 @_paged_attention.register_fake
