@@ -39,8 +39,11 @@ def test_every_linear_norm_and_router_changed_once(pair):
     routers = [m for m in fast.modules() if type(m).__name__ == "SamebitsQwen3MoeTopKRouter"]
     gates = [layer.mlp.gate for layer in fast.model.layers if hasattr(layer.mlp, "gate")]
     assert gates and len(routers) == len(gates) and all(a is b for a, b in zip(routers, gates, strict=True))
-    # per layer q/k/v/o and four norms (input, post-attention, q, k); the final norm; the lm_head
-    assert len(swapped) == 8 * layers + 2 + len(routers) + sum(
+    attentions = [m for m in fast.modules() if type(m).__name__ == "SamebitsQwen3MoeAttention"]
+    assert attentions == [layer.self_attn for layer in fast.model.layers]
+    # per layer the attention, q/k/v/o and four norms (input, post-attention, q, k); the final
+    # norm; the lm_head
+    assert len(swapped) == 9 * layers + 2 + len(routers) + sum(
         isinstance(m, torch.nn.Linear) for layer in fast.model.layers for m in layer.mlp.modules()
     )
     assert not any(isinstance(m, forwards._Swapped) for m in plain.modules())
@@ -154,6 +157,95 @@ def test_control_a_linear_summing_k_in_another_order_changes_the_bits(pair, monk
     assert any(not torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+def _count_blocks(monkeypatch) -> list[int]:
+    """Count the attention blocks' forwards (`attention_forward._block`) from now on."""
+    from samebits.trainer import attention_forward
+
+    calls, real = [0], attention_forward._block
+
+    def counted(*args):
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(attention_forward, "_block", counted)
+    return calls
+
+
+def _rows_logits(model, positions: bool, grad: bool = False) -> torch.Tensor:
+    """A [2, 24] batch straight through the model: one sequence per row, or (`positions`) two
+    packed sequences per row, their positions restarting."""
+    device = next(model.parameters()).device
+    ids = (torch.arange(2 * 24, device=device).view(2, 24) % 50) + 3
+    pos = torch.cat([torch.arange(10), torch.arange(14)]).expand(2, -1).to(device) if positions else None
+    with batch_invariant(), torch.set_grad_enabled(grad):
+        return model(input_ids=ids, position_ids=pos, use_cache=False).logits
+
+
+@pytest.mark.parametrize("positions", [False, True])
+def test_the_attention_block_over_several_rows_gives_the_same_bits(pair, monkeypatch, positions):
+    """Rows of a [B, S] forward, one sequence each or packed: the swapped attention (one
+    `_AttentionBlock` a layer) gives the logits of transformers' attention forward."""
+    plain, fast = pair
+    calls = _count_blocks(monkeypatch)
+    got, want = _rows_logits(fast, positions), _rows_logits(plain, positions)
+    assert calls[0] == fast.config.num_hidden_layers
+    assert torch.equal(got, want)
+
+
+def test_the_attention_block_steps_aside_with_a_kv_cache(pair, monkeypatch):
+    """With a KV cache (use_cache=True) the module's own forward runs, with its bits."""
+    plain, fast = pair
+    calls = _count_blocks(monkeypatch)
+    ids = torch.arange(20)[None] + 3
+    with batch_invariant():
+        got, want = (m(input_ids=ids, use_cache=True).logits for m in (fast, plain))
+    assert calls[0] == 0 and torch.equal(got, want)
+
+
+def test_control_the_blocks_rotary_rounded_once_changes_the_bits(pair, monkeypatch):
+    """The block's rotary computed in fp32 and rounded once, where transformers rounds q*cos,
+    rotate_half(q)*sin and their sum each to bf16: other bits, so the equalities above see the
+    block's own roundings."""
+    from samebits.trainer import attention_forward
+
+    plain, fast = pair
+    real = attention_forward.pick
+
+    def rounded_once(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots):
+        norm = real("rms_norm", q.device.type)
+        c, s = cos[:, None].float(), sin[:, None].float()
+
+        def rotate(x):
+            x32, half = x.float(), x.shape[-1] // 2
+            return (x32 * c + torch.cat((-x32[..., half:], x32[..., :half]), -1) * s).to(x.dtype)
+
+        k_cache[slots] = rotate(norm(k, k_weight, eps))
+        v_cache[slots] = v
+        return rotate(norm(q, q_weight, eps))
+
+    monkeypatch.setattr(
+        attention_forward, "pick", lambda op, dev: rounded_once if op == "qk_norm_rope_cache" else real(op, dev)
+    )
+    got, want = _logprobs(fast, True), _logprobs(plain, True)
+    assert any(not torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_the_attention_blocks_gradients_over_rows_match_autograd_in_float32(checkpoints):
+    """The block's closed-form backward over two rows of two packed sequences each: the
+    gradients of autograd through transformers' attention forward (fp32)."""
+    path = checkpoints["fp32"]
+    plain, fast = (trainer.load_hf_model(path, dtype=torch.float32, samebits_forwards=f) for f in (False, True))
+
+    def grads(model):
+        _rows_logits(model, positions=True, grad=True).float().square().mean().backward()
+        return {n: p.grad for n, p in model.named_parameters() if "self_attn" in n and p.grad is not None}
+
+    want, got = grads(plain), grads(fast)
+    assert got.keys() == want.keys() and len(got) == 6 * plain.config.num_hidden_layers  # q/k/v/o, q/k norms
+    for name in want:
+        assert ((got[name] - want[name]).norm() / want[name].norm()).item() < 1e-5, name
+
+
 def test_gradients_match_autograd_in_float32(checkpoints):
     path = checkpoints["fp32"]
     plain = trainer.load_hf_model(path, dtype=torch.float32, samebits_forwards=False)
@@ -208,16 +300,24 @@ def test_the_omni_thinker_text_norms_and_routers_are_recognized(tmp_path):
 
 @pytest.mark.gpu
 def test_on_cuda_same_bits_and_the_control_differs(checkpoints, monkeypatch):
-    """On CUDA the norms are one fused Triton launch and the linears the Triton matmul, called
-    directly: the same bits as transformers' modules under the overrides; the control differs."""
+    """On CUDA the norms are one fused Triton launch, the linears the Triton matmul (q/k/v one
+    GEMM over the joined weights) and the q/k norms and rotary one launch, called directly: the
+    same bits as transformers' modules under the overrides; the controls differ."""
     path = checkpoints["mixed"]
     plain = trainer.load_hf_model(path, device="cuda", samebits_forwards=False)
     fast = trainer.load_hf_model(path, device="cuda")
+    calls = _count_blocks(monkeypatch)
     for packed in (True, False):
         want, got = _logprobs(plain, packed), _logprobs(fast, packed)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), packed
+    assert calls[0] == (1 + len(SEQS)) * fast.config.num_hidden_layers  # the block ran every layer
+    for positions in (False, True):
+        assert torch.equal(_rows_logits(fast, positions), _rows_logits(plain, positions)), positions
+    monkeypatch.undo()
     test_control_a_norm_rounding_moved_changes_the_bits((plain, fast), monkeypatch)
     monkeypatch.undo()
     test_control_a_router_rounding_moved_changes_the_bits((plain, fast), monkeypatch)
     monkeypatch.undo()
     test_control_a_linear_summing_k_in_another_order_changes_the_bits((plain, fast), monkeypatch)
+    monkeypatch.undo()
+    test_control_the_blocks_rotary_rounded_once_changes_the_bits((plain, fast), monkeypatch)

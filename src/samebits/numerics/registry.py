@@ -188,6 +188,23 @@ def _projections_exact_cuda(x, weights):
     return _projections_separate(x, weights)
 
 
+def _linears_separate(x, weights):
+    return tuple(matmul_ref(x, w.t()) for w in weights)
+
+
+_MATMUL_TRITON = _lazy("samebits.kernels.matmul_triton", "matmul")
+
+
+def _linears_joined_cuda(x, weights):
+    """One Triton GEMM over the weights joined (a view where they lie back to back, else a
+    copy: the trainer's separate parameters), split into each one's columns. A column's bits do
+    not depend on N (`_projections_one_gemm`)."""
+    joined = adjacent_rows(list(weights))
+    if joined is None:
+        joined = torch.cat(weights)
+    return _MATMUL_TRITON(x, joined.t()).split([w.shape[0] for w in weights], dim=-1)
+
+
 def _experts_triton(x, index, weights, gate_up, down):
     return _EXPERTS_TRITON(x, index, weights.contiguous(), gate_up, down)
 
@@ -397,7 +414,11 @@ TABLE: dict[str, dict[str, dict[str, Callable]]] = {
     # fixed-order sum over one dim (batch_invariant()'s sum, mean and softmax overrides)
     "tree_sum": {"cpu": {ANY: tree_sum_ref}, "cuda": {ANY: _tree_sum_cuda}},
     # row-invariant GEMMs (batch_invariant()'s mm, addmm, bmm overrides)
-    "matmul": {"cpu": {ANY: matmul_ref}, "cuda": {ANY: _lazy("samebits.kernels.matmul_triton", "matmul")}},
+    "matmul": {"cpu": {ANY: matmul_ref}, "cuda": {ANY: _MATMUL_TRITON}},
+    # (x [M, K], weights [N_i, K]) -> x @ w_i.T each, on the row-invariant matmul (the trainer's
+    # q/k/v inside batch_invariant()): on CUDA one GEMM over the weights joined; on the CPU one
+    # each (MKL's column bits depend on N)
+    "linears": {"cpu": {ANY: _linears_separate}, "cuda": {ANY: _linears_joined_cuda}},
     "bmm": {"cpu": {ANY: bmm_ref}, "cuda": {ANY: _lazy("samebits.kernels.matmul_triton", "bmm")}},
     # a layer's q/k RMSNorm, rotary and K/V cache writes: on CUDA one fused launch
     "qk_norm_rope_cache": {

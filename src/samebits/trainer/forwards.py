@@ -144,19 +144,30 @@ def _swapped_class(cls: type, forward) -> type:
 def _reference_codes() -> dict[str, types.CodeType]:
     from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
 
-    return {"norm": hf.Qwen3MoeRMSNorm.forward.__code__, "router": hf.Qwen3MoeTopKRouter.forward.__code__}
+    return {
+        "norm": hf.Qwen3MoeRMSNorm.forward.__code__,
+        "router": hf.Qwen3MoeTopKRouter.forward.__code__,
+        "attention": hf.Qwen3MoeAttention.forward.__code__,
+        "rotary": hf.apply_rotary_pos_emb.__code__,
+        "rotate_half": hf.rotate_half.__code__,
+    }
 
 
-def _same_forward(module: nn.Module, reference: types.CodeType, attrs: dict[str, type]) -> bool:
+def _same_code(code, reference: types.CodeType) -> bool:
+    return code is not None and (code.co_code, code.co_consts, code.co_names) == (
+        reference.co_code,
+        reference.co_consts,
+        reference.co_names,
+    )
+
+
+def _same_forward(module: nn.Module, reference: types.CodeType, attrs: dict) -> bool:
     """A module whose forward is `reference`, byte for byte (the modular converter copies
     transformers' Qwen3 modules into each model family's file under the family's class names),
     holding the attributes that forward reads."""
-    code = getattr(type(module).forward, "__code__", None)
-    return (
-        code is not None
-        and (code.co_code, code.co_consts, code.co_names)
-        == (reference.co_code, reference.co_consts, reference.co_names)
-        and all(isinstance(getattr(module, a, None), t) for a, t in attrs.items())
+    forward = type(module)._samebits_base.forward if isinstance(module, _Swapped) else type(module).forward
+    return _same_code(getattr(forward, "__code__", None), reference) and all(
+        isinstance(getattr(module, a, None), t) for a, t in attrs.items()
     )
 
 
@@ -208,6 +219,27 @@ def _router_forward(self, hidden_states: torch.Tensor):
     return (logits, *pick("router", logits.device.type)(logits, self.top_k, self.norm_topk_prob))
 
 
+_ATTENTION_ATTRS = {"head_dim": int, "scaling": float, "attention_dropout": (int, float), "config": object}
+
+
+def _qwen3_attention(module: nn.Module, codes: dict[str, types.CodeType]) -> bool:
+    """transformers' Qwen3 attention forward (by code object, the rotary it calls too) over
+    bias-free linears and Qwen3 RMSNorms of one epsilon: what `attention_forward` replaces."""
+    if not _same_forward(module, codes["attention"], _ATTENTION_ATTRS):
+        return False
+    names = type(module).forward.__globals__
+    rotary, rotate = names.get("apply_rotary_pos_emb"), names.get("rotate_half")
+    linears = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    norms = [getattr(module, n, None) for n in ("q_norm", "k_norm")]
+    return (
+        _same_code(getattr(rotary, "__code__", None), codes["rotary"])
+        and _same_code(getattr(rotate, "__code__", None), codes["rotate_half"])
+        and all(isinstance(m, nn.Linear) and m.bias is None for m in linears)
+        and all(isinstance(m, nn.Module) and _same_forward(m, codes["norm"], _NORM_ATTRS) for m in norms)
+        and norms[0].variance_epsilon == norms[1].variance_epsilon
+    )
+
+
 def use_samebits_forwards(model: nn.Module) -> int:
     """Give every bias-free `nn.Linear`, Qwen3-form RMSNorm and router in `model` samebits' forward
     (module docstring) by swapping its class for a subclass -> how many modules changed.
@@ -224,6 +256,10 @@ def use_samebits_forwards(model: nn.Module) -> int:
             module.__class__ = _swapped_class(type(module), _rms_norm_forward)
         elif _same_forward(module, codes["router"], _ROUTER_ATTRS):
             module.__class__ = _swapped_class(type(module), _router_forward)
+        elif _qwen3_attention(module, codes):
+            from samebits.trainer.attention_forward import attention_forward  # it imports this module
+
+            module.__class__ = _swapped_class(type(module), attention_forward)
         else:
             continue
         changed += 1
