@@ -71,7 +71,7 @@ def _time_backward_nodes(seconds: collections.Counter, calls: collections.Counte
     """Wrap the backward of each of samebits' trainer autograd nodes with a host timer."""
     from samebits.model import attention
     from samebits.numerics import registry
-    from samebits.trainer import forwards
+    from samebits.trainer import attention_forward, forwards
 
     def wrap(name, fn):
         def run(*a, **k):
@@ -84,7 +84,8 @@ def _time_backward_nodes(seconds: collections.Counter, calls: collections.Counte
 
         return run
 
-    for cls in (forwards._Linear, forwards._RMSNorm, forwards._Router, attention._PackedAttention):
+    nodes = (forwards._Linear, forwards._RMSNorm, forwards._Router, attention._PackedAttention)
+    for cls in (*nodes, attention_forward._AttentionBlock):
         cls.backward = staticmethod(wrap(cls.__name__, cls.backward))
     for by_profile in registry.TABLE["experts_backward"].values():
         for profile, fn in by_profile.items():
