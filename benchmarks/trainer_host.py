@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import json
 import multiprocessing
 import statistics
@@ -42,6 +43,7 @@ KERNEL_MODULES = (
     "matmul_triton",
     "norm_rope_triton",
     "norm_backward_triton",
+    "norm_rope_backward_triton",
     "attention_triton",
     "experts_triton",
     "reduce_triton",
@@ -86,7 +88,8 @@ def _stub_samebits() -> None:
     # imported before the patch below: its overrides (installed on first entry) stay the CPU's
     assert batch_invariant.triton_available is registry.triton_available
 
-    launcher_host.MODULES = KERNEL_MODULES
+    # the modules this checkout has (the script also times older checkouts, PYTHONPATH=old/src)
+    launcher_host.MODULES = [m for m in KERNEL_MODULES if importlib.util.find_spec(f"samebits.kernels.{m}")]
     mods = launcher_host.stub_launches()
     experts = mods["experts_triton"]
     real_route, valid = experts.route_pairs, {}

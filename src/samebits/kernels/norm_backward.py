@@ -36,3 +36,34 @@ def rms_norm_backward_ref(
         rows = (grad.float() * xn.to(x.dtype).float()).reshape(-1, x.shape[-1])
         dw = torch.sum(rows, 0, out=rows.new_empty(rows.shape[1])).to(weight.dtype)
     return dx, dw
+
+
+def rotary_backward_ref(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The transpose of `x*cos + rotate_half(x)*sin` (rotate_half(x) = [-x2, x1]) applied to
+    grad [..., D], cos/sin broadcasting to it: grad*cos + [(grad*sin)2, -(grad*sin)1], fp32."""
+    g, half = grad.float(), grad.shape[-1] // 2
+    gs = g * sin.float()
+    return g * cos.float() + torch.cat((gs[..., half:], -gs[..., :half]), dim=-1)
+
+
+def qk_norm_rope_backward_ref(
+    dq: torch.Tensor,  # [T, H, D]: the grad of the rotated, normed q
+    dk: torch.Tensor,  # [T, KVH, D]
+    dv: torch.Tensor,  # [T, KVH, D]
+    q: torch.Tensor,  # [T, H, D]: q before its RMSNorm
+    k: torch.Tensor,  # [T, KVH, D]
+    q_weight: torch.Tensor,  # [D]
+    k_weight: torch.Tensor,  # [D]
+    eps: float,
+    cos: torch.Tensor,  # [T, D]
+    sin: torch.Tensor,  # [T, D]
+    wants: tuple[bool, bool],  # grads of (q_weight, k_weight)
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The backward of a layer's q/k RMSNorm + rotary (`qk_norm_rope_cache`'s arithmetic) ->
+    (d[q; k; v] [T, (H + 2 KVH) D] in q's dtype, the q-projection's columns first as the joined
+    GEMM lays them; d q_weight; d k_weight), None where not wanted. fp32 inside."""
+    c, s = cos[:, None], sin[:, None]  # [T, 1, D]
+    dxq, dwq = rms_norm_backward_ref(rotary_backward_ref(dq, c, s), q, q_weight, eps, (True, wants[0]))
+    dxk, dwk = rms_norm_backward_ref(rotary_backward_ref(dk, c, s), k, k_weight, eps, (True, wants[1]))
+    t = q.shape[0]
+    return torch.cat([x.reshape(t, -1).to(q.dtype) for x in (dxq, dxk, dv)], dim=-1), dwq, dwk

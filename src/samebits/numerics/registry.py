@@ -39,7 +39,7 @@ from samebits.kernels.experts import experts_ref, experts_ref_slots, experts_sto
 from samebits.kernels.experts_backward import experts_backward
 from samebits.kernels.experts_tiles import slot_tree_fits
 from samebits.kernels.matmul import adjacent_rows, bmm_ref, matmul_ref
-from samebits.kernels.norm_backward import rms_norm_backward_ref
+from samebits.kernels.norm_backward import qk_norm_rope_backward_ref, rms_norm_backward_ref
 from samebits.kernels.reduce import tree_sum_ref
 from samebits.kernels.softmax import log_softmax_ref
 from samebits.numerics import composite, scope
@@ -226,6 +226,18 @@ def _rms_norm_backward_cuda(grad, x, weight, eps, wants):
     if triton_available() and supported(x):
         return _NORM_BACKWARD_TRITON(grad, x, weight, eps, wants)
     return rms_norm_backward_ref(grad, x, weight, eps, wants)
+
+
+_QK_BACKWARD_TRITON = _lazy("samebits.kernels.norm_rope_backward_triton", "qk_norm_rope_backward")
+
+
+def _qk_norm_rope_backward_cuda(dq, dk, dv, q, k, q_weight, k_weight, eps, cos, sin, wants):
+    """One Triton launch where its layout fits; the torch closed form otherwise."""
+    from samebits.kernels.norm_rope_backward_triton import supported
+
+    if triton_available() and supported(dq, dk, dv, q, k, q_weight, k_weight, cos, sin):
+        return _QK_BACKWARD_TRITON(dq, dk, dv, q, k, q_weight, k_weight, eps, cos, sin, wants)
+    return qk_norm_rope_backward_ref(dq, dk, dv, q, k, q_weight, k_weight, eps, cos, sin, wants)
 
 
 # batch_invariant imports this module (triton_available), so its context is looked up at call time
@@ -472,6 +484,13 @@ TABLE: dict[str, dict[str, dict[str, Callable]]] = {
     # (grad, x, weight, eps, wants) -> (dx, dw): the closed form, stock arithmetic (no bitwise
     # contract); on CUDA one fused launch (trainer/forwards.py's RMSNorm backward)
     "rms_norm_backward": {"cpu": {ANY: rms_norm_backward_ref}, "cuda": {ANY: _rms_norm_backward_cuda}},
+    # (dq, dk, dv, q, k, q_weight, k_weight, eps, cos, sin, wants) -> (d[q; k; v], d q_weight,
+    # d k_weight): the backward of `qk_norm_rope_cache`'s norms and rotary, closed form, stock
+    # arithmetic; on CUDA one launch (the trainer's attention block)
+    "qk_norm_rope_backward": {
+        "cpu": {ANY: qk_norm_rope_backward_ref},
+        "cuda": {ANY: _qk_norm_rope_backward_cuda},
+    },
     "rms_norm": {
         "cpu": {ANY: composite.rms_norm},
         "cuda": {"exact": _rms_norm_exact_cuda, "fast": _rms_norm_fast_cuda},

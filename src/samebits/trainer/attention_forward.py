@@ -16,7 +16,7 @@ instead, as one `_AttentionBlock`:
 each the registry's kernel with the modules' bits (tested: `test_trainer_forwards.py`, and the
 engine's layer against the trainer's at 48 layers). The backward is closed-form on stock
 kernels (gradients carry no bitwise contract): the two linears' GEMMs, the attention's
-device backward, the rotary's transpose, the norms' `rms_norm_backward`.
+device backward, the norms' and rotary's `qk_norm_rope_backward` (on CUDA one launch).
 
 Anything else runs the module's own forward: outside the context, under autocast, with a KV
 cache, an attention mask, dropout, another attention implementation, or inputs of another
@@ -45,14 +45,6 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b on the out= overload (the backward runs outside the context, on autograd's device
     thread on CUDA, where the functional `mm` would cross the overrides' Python wrapper)."""
     return torch.mm(a, b, out=a.new_empty(a.shape[0], b.shape[1]))
-
-
-def _rotary_backward(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The transpose of `x*cos + rotate_half(x)*sin` (rotate_half(x) = [-x2, x1]) applied to
-    g [T, heads, D], cos/sin [T, 1, D]: g*cos + [ (g*sin)2, -(g*sin)1 ]."""
-    gs = g * sin
-    half = g.shape[-1] // 2
-    return g * cos + torch.cat((gs[..., half:], -gs[..., :half]), dim=-1)
 
 
 def _block(x, wq, wk, wv, wo, wqn, wkn, cos, sin, batches, spec):
@@ -90,7 +82,7 @@ class _AttentionBlock(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x2, wq, wk, wv, wo, wqn, wkn, q, k, q_r, k_r, v_c, out, cos2, sin2 = ctx.saved_tensors
-        d, eps, scale = ctx.spec
+        _, eps, scale = ctx.spec
         need = ctx.needs_input_grad
         t = x2.shape[0]
         g = grad.reshape(t, -1)  # [T, hidden]
@@ -102,11 +94,9 @@ class _AttentionBlock(torch.autograd.Function):
             for r, (bounds, cu) in zip(ctx.rows, ctx.bounds, strict=True)
         ]
         dq_r, dk_r, dv = (p[0] if len(parts) == 1 else torch.cat(p) for p in zip(*parts, strict=True))
-        cos3, sin3 = cos2[:, None], sin2[:, None]  # [T, 1, D]
-        norm_backward = pick("rms_norm_backward", x2.device.type)
-        dq, dwqn = norm_backward(_rotary_backward(dq_r, cos3, sin3), q, wqn, eps, (True, need[5]))
-        dk, dwkn = norm_backward(_rotary_backward(dk_r, cos3, sin3), k, wkn, eps, (True, need[6]))
-        dqkv = torch.cat([y.reshape(t, -1) for y in (dq, dk, dv)], dim=-1)  # [T, (H + 2 KVH) D]
+        dqkv, dwqn, dwkn = pick("qk_norm_rope_backward", x2.device.type)(
+            dq_r, dk_r, dv, q, k, wqn, wkn, eps, cos2, sin2, (need[5], need[6])
+        )  # [T, (H + 2 KVH) D], the joined GEMM's columns
         dx = _mm(dqkv, torch.cat((wq, wk, wv))).view(*grad.shape[:-1], -1) if need[0] else None
         dw = [None] * 3
         if any(need[1:4]):
