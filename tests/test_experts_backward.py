@@ -104,3 +104,42 @@ def test_the_routing_is_the_given_kernels():
     assert seen == [leaves[2].shape[0]]
     assert all(torch.equal(a, b) for a, b in zip(got[:2], want[:2], strict=True))
     assert not torch.allclose(bad[0], want[0])
+
+
+_POINTWISE = """
+from samebits.kernels import experts_backward_triton as m
+from samebits.kernels.experts_backward import experts_backward, grouped_mm_loop, pointwise_ref
+m.MAX_BLOCK_I = 16  # a row's columns in several steps, the last one partial
+g = torch.Generator().manual_seed(0)
+for n, inter, want_dw in ((13, 40, True), (8, 16, False), (1, 3, True)):
+    gate_up, u = torch.randn(n, 2 * inter, generator=g), torch.randn(n, inter, generator=g)
+    order = torch.randperm(n, generator=g).to(torch.int32)
+    weights = torch.rand(n, generator=g).view(n, 1)
+    args = (gate_up, u, order, weights, want_dw)
+    got, want = m.pointwise(*args), pointwise_ref(*args)
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.shape == b.shape and ((a - b).norm() / b.norm()).item() < 1e-5, (n, inter)
+# the whole backward with it, against the torch middle (fp32, the loop's grouped GEMMs)
+t, e, k, h, i = 11, 5, 2, 24, 20
+x, grad = torch.randn(t, h, generator=g), torch.randn(t, h, generator=g)
+gate_up, down = 0.2 * torch.randn(e, 2 * i, h, generator=g), 0.2 * torch.randn(e, h, i, generator=g)
+index = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+weights = torch.softmax(torch.randn(t, k, generator=g), -1)
+args = (grad, x, index, weights, gate_up, down, (True,) * 4)
+want = experts_backward(*args, gmm=grouped_mm_loop)
+got = experts_backward(*args, gmm=grouped_mm_loop, pointwise=m.pointwise)
+for a, b in zip(got, want):
+    assert ((a - b).norm() / b.norm()).item() < 1e-5
+print("OK")
+"""
+
+
+def test_the_triton_pointwise_middle_under_the_interpreter_equals_the_torch_one():
+    """`experts_backward_triton.pointwise` (row blocks, column steps, dw written at each pair's
+    own position) against `pointwise_ref`, and the whole backward with it, fp32, under Triton's
+    CPU interpreter."""
+    from interpreted import run_interpreted
+
+    run_interpreted(_POINTWISE)

@@ -58,6 +58,29 @@ def _sum(x: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.sum(x, dim, dtype=dtype, out=x.new_empty(shape, dtype=dtype))
 
 
+def pointwise_ref(
+    gate_up: torch.Tensor,  # [N, 2I]: [gate; up] of each pair, in expert order
+    u: torch.Tensor,  # [N, I]: g_t D_e
+    order: torch.Tensor,  # [N]: the pair of each expert-order row
+    top_k_weights: torch.Tensor,  # [T, K]
+    want_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The backward's elementwise middle -> (dh = [dgate; dup] [N, 2I] in expert order, in
+    gate_up's dtype; dw_tk = <u_p, a_p> [T * K] fp32 in pair order, or None), with
+    da = w u, dgate = da up silu'(gate), dup = da silu(gate), a = silu(gate) up (module docstring)."""
+    inter = u.shape[1]
+    gate, up = gate_up.split(inter, dim=-1)
+    order = order.long()
+    act = F.silu(gate)
+    da = u * top_k_weights.reshape(-1)[order].to(u.dtype)[:, None]
+    dh = torch.cat([torch.ops.aten.silu_backward(da * up, gate), da * act], dim=-1)
+    if not want_dw:
+        return dh, None
+    acc = torch.promote_types(u.dtype, torch.float32)  # bf16/fp16 sum in fp32
+    dw = _sum(u.to(acc) * (act * up).to(acc), -1, acc)  # [N] in expert order
+    return dh, _to_pair_order(dw, order)
+
+
 def experts_backward(
     grad_out: torch.Tensor,  # [T, H]
     hidden_states: torch.Tensor,  # [T, H]
@@ -68,40 +91,38 @@ def experts_backward(
     wants: tuple[bool, bool, bool, bool],  # grads of (hidden, weights, gate_up, down)
     gmm: GroupedMM = torch._grouped_mm,
     route_pairs: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] = route,
+    pointwise: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = pointwise_ref,
 ) -> tuple[torch.Tensor | None, ...]:
     """-> (d hidden [T, H], d weights [T, K], d gate_up [E, 2I, H], d down [E, H, I]), None
     where not wanted: the gradients of `experts_grouped_mm` (SiLU) in three grouped GEMMs, five
     when the expert weights want theirs (returned contiguous, in the parameters' layout).
     `route_pairs`: `experts.route` or a kernel giving its (order, offsets) (on CUDA the
-    forward's one-launch routing). Expert ids must lie in [0, E), as the forward requires:
-    the order must be a permutation of the pairs (every row is put back by it)."""
+    forward's one-launch routing); `pointwise`: `pointwise_ref` or a kernel with its contract
+    (on CUDA one launch). Expert ids must lie in [0, E), as the forward requires: the order
+    must be a permutation of the pairs (every row is put back by it)."""
     t, k = top_k_index.shape
     if t == 0:
         zeros = (hidden_states, top_k_weights, gate_up_proj, down_proj)
         return tuple(torch.zeros_like(z) if w else None for z, w in zip(zeros, wants, strict=True))
-    inter = down_proj.shape[2]
     order, offsets = route_pairs(top_k_index, gate_up_proj.shape[0])
-    order, offs = order.long(), offsets[1:]
-    tok = order // k
+    offs, pairs = offsets[1:], order.long()
+    tok = pairs // k
     xs, gs = hidden_states[tok], grad_out.to(hidden_states.dtype)[tok]  # [N, H] in expert order
-    ws = top_k_weights.reshape(-1)[order].to(hidden_states.dtype)  # [N]
-    gate, up = gmm(xs, gate_up_proj.transpose(1, 2), offs=offs).split(inter, dim=-1)  # [N, I] each
-    act = F.silu(gate)
-    a = act * up
+    gate_up = gmm(xs, gate_up_proj.transpose(1, 2), offs=offs)  # [N, 2I]
     u = gmm(gs, down_proj, offs=offs)  # [N, I]
-    da = u * ws[:, None]
-    dh = torch.cat([torch.ops.aten.silu_backward(da * up, gate), da * act], dim=-1)  # [N, 2I]
+    dh, dw = pointwise(gate_up, u, order, top_k_weights, wants[1])  # [N, 2I]; [T * K] fp32 or None
     acc = torch.promote_types(hidden_states.dtype, torch.float32)  # bf16/fp16 sum in fp32
     grads: list[torch.Tensor | None] = [None] * 4
     if wants[0]:
         per_pair = gmm(dh, gate_up_proj, offs=offs)  # [N, H] in expert order
-        per_slot = _to_pair_order(per_pair, order).view(t, k, -1)  # [T, K, H]
+        per_slot = _to_pair_order(per_pair, pairs).view(t, k, -1)  # [T, K, H]
         grads[0] = _sum(per_slot, 1, acc).to(hidden_states.dtype)
     if wants[1]:
-        dw = _sum(u.to(acc) * a.to(acc), -1, acc)  # [N] in expert order
-        grads[1] = _to_pair_order(dw, order).view(t, k).to(top_k_weights.dtype)
+        grads[1] = dw.view(t, k).to(top_k_weights.dtype)
     if wants[2]:
         grads[2] = gmm(dh.t(), xs, offs=offs)  # [E, 2I, H], the parameter's own layout
     if wants[3]:
-        grads[3] = gmm((gs * ws[:, None]).t(), a, offs=offs)  # [E, H, I]
+        gate, up = gate_up.split(down_proj.shape[2], dim=-1)
+        ws = top_k_weights.reshape(-1)[pairs].to(hidden_states.dtype)  # [N]
+        grads[3] = gmm((gs * ws[:, None]).t(), F.silu(gate) * up, offs=offs)  # [E, H, I]
     return tuple(grads)

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from samebits.kernels.experts import experts_ref, experts_ref_slots, experts_stock_ref, sum_slots_ref
-from samebits.kernels.experts_backward import experts_backward
+from samebits.kernels.experts_backward import experts_backward, pointwise_ref
 from samebits.kernels.experts_tiles import slot_tree_fits
 from samebits.kernels.matmul import adjacent_rows, bmm_ref, matmul_ref
 from samebits.kernels.norm_backward import qk_norm_rope_backward_ref, rms_norm_backward_ref
@@ -211,12 +211,32 @@ def _experts_triton(x, index, weights, gate_up, down):
 
 _NORM_BACKWARD_TRITON = _lazy("samebits.kernels.norm_backward_triton", "rms_norm_backward")
 _ROUTE_TRITON = _lazy("samebits.kernels.experts_triton", "route_pairs")
+_POINTWISE_TRITON = _lazy("samebits.kernels.experts_backward_triton", "pointwise")
+
+
+def _experts_pointwise_cuda(gate_up, u, order, weights, want_dw):
+    from samebits.kernels.experts_backward_triton import supported
+
+    if supported(gate_up, u, order, weights):
+        return _POINTWISE_TRITON(gate_up, u, order, weights, want_dw)
+    return pointwise_ref(gate_up, u, order, weights, want_dw)
 
 
 def _experts_backward_cuda(grad_out, x, index, weights, gate_up, down, wants):
     """The closed form, routed by the forward's one launch (`experts_triton.route_pairs`: the
-    order and offsets of `experts.route`) where the torch route is ~8 host ops."""
-    return experts_backward(grad_out, x, index, weights, gate_up, down, wants, route_pairs=_ROUTE_TRITON)
+    order and offsets of `experts.route`) where the torch route is ~8 host ops, its elementwise
+    middle one launch (`experts_backward_triton.pointwise`) where the torch form is ~15."""
+    return experts_backward(
+        grad_out,
+        x,
+        index,
+        weights,
+        gate_up,
+        down,
+        wants,
+        route_pairs=_ROUTE_TRITON,
+        pointwise=_experts_pointwise_cuda,
+    )
 
 
 def _rms_norm_backward_cuda(grad, x, weight, eps, wants):
