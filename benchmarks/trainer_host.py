@@ -46,6 +46,7 @@ KERNEL_MODULES = (
     "norm_rope_backward_triton",
     "attention_triton",
     "experts_triton",
+    "experts_backward_triton",
     "reduce_triton",
     "router_triton",
     "router_one_launch",
