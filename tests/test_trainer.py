@@ -88,3 +88,24 @@ def test_packed_positions_are_read_once_per_position_tensor():
     pos[0, 3:5] = torch.tensor([3, 4])  # now one sequence of 5 tokens, then one of 1
     assert _packings(pos)[0].query_start_loc_cpu.tolist() == [0, 5, 6]
     assert _packings(pos.clone())[0].query_start_loc_cpu.tolist() == [0, 5, 6]
+
+
+def test_rotary_check_reads_the_buffer_once_until_it_changes(tiny, monkeypatch):
+    """Each token_logprobs call checks the rotary (each RL micro-batch); a buffer that passed is
+    not read again (on CUDA each read is a device sync) until it is written or replaced."""
+    from samebits.trainer import logprobs
+
+    m = trainer.load_hf_model(tiny, dtype=torch.bfloat16)
+    reads = []
+    real = logprobs._expected_inv_freq
+    monkeypatch.setattr(logprobs, "_expected_inv_freq", lambda r: reads.append(1) or real(r))
+    for _ in range(3):
+        trainer.check_rotary_inv_freq(m)
+    assert len(reads) == 1
+    inv = m.model.rotary_emb.inv_freq
+    inv.data = inv.clone()  # other storage, the same tensor object: read again
+    trainer.check_rotary_inv_freq(m)
+    assert len(reads) == 2
+    inv[0] = inv[0] * 2  # written in place: read again, and refused
+    with pytest.raises(trainer.RotaryMismatchError):
+        trainer.check_rotary_inv_freq(m)

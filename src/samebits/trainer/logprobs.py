@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 from transformers import AutoModelForCausalLM
 
 from samebits.model.families import family_for
@@ -37,9 +38,20 @@ def reset_rotary_inv_freq(model) -> None:
             rotary.original_inv_freq.copy_(expected)
 
 
+# inv_freq tensor -> (its version, its data pointer) when it last passed. `token_logprobs` checks
+# on every call (each micro-batch of an RL update), and on CUDA each check copies to the host: a
+# device sync that stops the host running ahead of the GPU. A tensor written since (in place: a
+# new version), given other storage (`.data =`) or a new one (`model.to`, a reload) is checked
+# again.
+_PASSED = WeakTensorKeyDictionary()
+
+
 def check_rotary_inv_freq(model) -> None:
     """Raise `RotaryMismatchError` unless every rotary `inv_freq` equals the CPU formula."""
     for rotary in _rotary_modules(model):
+        seen = (rotary.inv_freq._version, rotary.inv_freq.data_ptr())
+        if _PASSED.get(rotary.inv_freq) == seen:
+            continue
         if rotary.inv_freq.dtype != torch.float32:
             raise RotaryMismatchError(
                 f"rotary inv_freq is {rotary.inv_freq.dtype}, expected float32; "
@@ -50,6 +62,7 @@ def check_rotary_inv_freq(model) -> None:
                 "the model's rotary inv_freq differs from the CPU fp32 formula (it was probably "
                 "computed on the GPU); call samebits.trainer.reset_rotary_inv_freq(model)"
             )
+        _PASSED[rotary.inv_freq] = seen
 
 
 def load_hf_model(
