@@ -264,6 +264,29 @@ def test_gradients_match_autograd_in_float32(checkpoints):
         assert ((got[name] - want[name]).norm() / want[name].norm()).item() < 1e-5, name
 
 
+def test_the_routers_gradients_with_the_aux_loss_match_autograd_in_float32(checkpoints):
+    """With output_router_logits the loss adds transformers' load-balancing loss, which reads the
+    router logits: the router node's backward takes their grad too. The routers' gradients match
+    autograd's, and differ from those without the aux loss (so the logits' grad is in them)."""
+    path = checkpoints["fp32"]
+    plain, fast = (trainer.load_hf_model(path, dtype=torch.float32, samebits_forwards=f) for f in (False, True))
+    ids = torch.tensor([[5, 9, 11, 3, 7, 2, 8, 6, 4, 10]])
+    pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4]])
+
+    def grads(model, aux):
+        model.zero_grad(set_to_none=True)
+        with batch_invariant():
+            out = model(input_ids=ids, position_ids=pos, labels=ids, use_cache=False, output_router_logits=aux)
+        out.loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if "mlp.gate" in n}
+
+    want, got, without = grads(plain, True), grads(fast, True), grads(fast, False)
+    assert got and got.keys() == want.keys()
+    for name in want:
+        assert ((got[name] - want[name]).norm() / want[name].norm()).item() < 1e-5, name
+    assert any(not torch.allclose(got[n], without[n]) for n in got)
+
+
 @pytest.mark.parametrize("shape", ["tied_top1", "bias_per_expert"])
 def test_routers_without_renorm_same_bits_and_gradients(checkpoints, shape):
     """norm_topk_prob=False (top-1 of 5; top-3 of 3): the swapped router gives transformers'

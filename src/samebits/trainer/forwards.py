@@ -176,21 +176,27 @@ _ROUTER_ATTRS = {"weight": torch.Tensor, "top_k": int, "hidden_dim": int, "norm_
 
 
 class _Router(torch.autograd.Function):
-    """Router logits [T, E] -> (weights [T, K] in the logits' dtype, indices [T, K]): forward the
-    registry's `router`; backward the chain rule of p = softmax(z) in fp32, v = p[indices],
-    w = v / sum(v) (norm_topk_prob), on stock ops."""
+    """A router's linear and routing in one node: hidden [T, H], weight [E, H] -> (logits [T, E],
+    weights [T, K] in the logits' dtype, indices [T, K]). Forward: the row-invariant matmul, then
+    the registry's `router`. Backward: the chain rule of p = softmax(z) in fp32, v = p[indices],
+    w = v / sum(v) (norm_topk_prob), on stock ops, plus the logits' own grad (an aux loss reads
+    them), then the linear's two GEMMs."""
 
     @staticmethod
-    def forward(ctx, logits, top_k, norm_topk_prob):
+    def forward(ctx, hidden_states, weight, top_k, norm_topk_prob):
+        logits = _matmul(hidden_states, weight)
         weights, index = pick("router", logits.device.type)(logits, top_k, norm_topk_prob)
-        ctx.save_for_backward(logits, index)
+        ctx.save_for_backward(hidden_states, weight, logits, index)
         ctx.norm_topk_prob = norm_topk_prob
         ctx.mark_non_differentiable(index)
-        return weights, index
+        ctx.set_materialize_grads(False)  # logits nobody read (no aux loss): None, not zeros to add
+        return logits, weights, index
 
     @staticmethod
-    def backward(ctx, grad_weights, _grad_index):
-        logits, index = ctx.saved_tensors
+    def backward(ctx, grad_logits, grad_weights, _grad_index):
+        hidden_states, weight, logits, index = ctx.saved_tensors
+        if grad_weights is None:
+            return _Linear.backward(_Saved(ctx, hidden_states, weight), grad_logits) + (None, None)
         z = logits.float()
         p = torch.ops.aten._softmax.out(z, -1, False, out=torch.empty_like(z))  # [T, E]
         v = p.gather(1, index)  # [T, K]
@@ -199,8 +205,18 @@ class _Router(torch.autograd.Function):
             total = _row_sum(v)
             dv = (dv - _row_sum(dv * v) / total) / total
         dp = torch.zeros_like(p).scatter_(1, index, dv)
-        dz = p * (dp - _row_sum(dv * v))  # softmax: p * (dp - <dp, p>)
-        return dz.to(logits.dtype), None, None
+        dz = (p * (dp - _row_sum(dv * v))).to(logits.dtype)  # softmax: p * (dp - <dp, p>)
+        if grad_logits is not None:
+            dz = dz + grad_logits
+        return _Linear.backward(_Saved(ctx, hidden_states, weight), dz) + (None, None)
+
+
+class _Saved:
+    """What `_Linear.backward` reads from its ctx, for a node that ran the linear itself."""
+
+    def __init__(self, ctx, x, weight):
+        self.saved_tensors = (x, weight)
+        self.needs_input_grad = ctx.needs_input_grad[:2]
 
 
 def _row_sum(x: torch.Tensor) -> torch.Tensor:
@@ -213,9 +229,9 @@ def _router_forward(self, hidden_states: torch.Tensor):
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     if not _direct(hidden_states) or hidden_states.dtype != self.weight.dtype:
         return self._samebits_base.forward(self, hidden_states)
-    logits = _linear(hidden_states, self.weight)
-    if _grad(logits):
-        return (logits, *_Router.apply(logits, self.top_k, self.norm_topk_prob))
+    if _grad(hidden_states, self.weight):
+        return _Router.apply(hidden_states, self.weight, self.top_k, self.norm_topk_prob)
+    logits = _matmul(hidden_states, self.weight)
     return (logits, *pick("router", logits.device.type)(logits, self.top_k, self.norm_topk_prob))
 
 
