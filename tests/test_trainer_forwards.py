@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from samebits import batch_invariant, trainer
-from samebits.trainer import forwards
+from samebits.trainer import attention_forward, forwards
 
 SEQS = [list(range(3, 40)), list(range(5, 20)), list(range(7, 60))]
 PROMPT_LENS = [5, 3, 9]
@@ -173,10 +173,11 @@ def _count_blocks(monkeypatch) -> list[int]:
 
 def _rows_logits(model, positions: bool, grad: bool = False) -> torch.Tensor:
     """A [2, 24] batch straight through the model: one sequence per row, or (`positions`) two
-    packed sequences per row, their positions restarting."""
+    packed sequences per row, packed differently in each row, their positions restarting."""
     device = next(model.parameters()).device
     ids = (torch.arange(2 * 24, device=device).view(2, 24) % 50) + 3
-    pos = torch.cat([torch.arange(10), torch.arange(14)]).expand(2, -1).to(device) if positions else None
+    rows = [torch.cat([torch.arange(10), torch.arange(14)]), torch.cat([torch.arange(16), torch.arange(8)])]
+    pos = torch.stack(rows).to(device) if positions else None
     with batch_invariant(), torch.set_grad_enabled(grad):
         return model(input_ids=ids, position_ids=pos, use_cache=False).logits
 
@@ -200,6 +201,44 @@ def test_the_attention_block_steps_aside_with_a_kv_cache(pair, monkeypatch):
     with batch_invariant():
         got, want = (m(input_ids=ids, use_cache=True).logits for m in (fast, plain))
     assert calls[0] == 0 and torch.equal(got, want)
+
+
+def test_the_attention_block_with_only_o_proj_trained(checkpoints):
+    """Everything below o_proj frozen: the block's backward stops after o_proj's weight grad,
+    which is autograd's (fp32)."""
+    path = checkpoints["fp32"]
+    plain, fast = (trainer.load_hf_model(path, dtype=torch.float32, samebits_forwards=f) for f in (False, True))
+
+    def grads(model):
+        for name, p in model.named_parameters():
+            p.requires_grad_("o_proj" in name)
+        _rows_logits(model, positions=True, grad=True).float().square().mean().backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    want, got = grads(plain), grads(fast)
+    assert got.keys() == want.keys() and len(got) == plain.config.num_hidden_layers
+    for name in want:
+        assert ((got[name] - want[name]).norm() / want[name].norm()).item() < 1e-5, name
+
+
+def test_the_attention_block_steps_aside_for_hooks_on_its_parts(pair, monkeypatch):
+    """A forward hook on a projection (or an adapter put in its place) must run: the module's own
+    forward takes over, with the same result as transformers' modules with the same hook."""
+    plain, fast = pair
+    handles = [
+        m.self_attn.q_proj.register_forward_hook(lambda mod, args, out: out * 0.5)
+        for model in (plain, fast)
+        for m in model.model.layers
+    ]
+    try:
+        calls = _count_blocks(monkeypatch)
+        got, want = _logprobs(fast, True), _logprobs(plain, True)
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls[0] == 0
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(got, _logprobs(plain, True), strict=True))  # it ran
 
 
 def test_control_the_blocks_rotary_rounded_once_changes_the_bits(pair, monkeypatch):
@@ -240,7 +279,11 @@ def test_the_attention_blocks_gradients_over_rows_match_autograd_in_float32(chec
         _rows_logits(model, positions=True, grad=True).float().square().mean().backward()
         return {n: p.grad for n, p in model.named_parameters() if "self_attn" in n and p.grad is not None}
 
-    want, got = grads(plain), grads(fast)
+    want = grads(plain)
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _count_blocks(mp)
+        got = grads(fast)
+    assert calls[0] == fast.config.num_hidden_layers  # the block's own backward ran
     assert got.keys() == want.keys() and len(got) == 6 * plain.config.num_hidden_layers  # q/k/v/o, q/k norms
     for name in want:
         assert ((got[name] - want[name]).norm() / want[name].norm()).item() < 1e-5, name
@@ -319,6 +362,8 @@ def test_the_omni_thinker_text_norms_and_routers_are_recognized(tmp_path):
     assert norms and all(isinstance(m, forwards._Swapped) for m in norms)
     routers = [m for m in text.modules() if type(m).__name__.endswith("TopKRouter")]
     assert routers and all(isinstance(m, forwards._Swapped) for m in routers)
+    attentions = [m for m in text.modules() if type(m).__name__.endswith("TextAttention")]
+    assert attentions and all(type(m).forward is attention_forward.attention_forward for m in attentions)
 
 
 @pytest.mark.gpu
@@ -344,3 +389,26 @@ def test_on_cuda_same_bits_and_the_control_differs(checkpoints, monkeypatch):
     test_control_a_linear_summing_k_in_another_order_changes_the_bits((plain, fast), monkeypatch)
     monkeypatch.undo()
     test_control_the_blocks_rotary_rounded_once_changes_the_bits((plain, fast), monkeypatch)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_attention_blocks_gradients_match_transformers(checkpoints, monkeypatch):
+    """On CUDA the block's backward (o_proj's GEMMs, flash's backward per row, the q/k norm +
+    rotary backward in one launch, the joined GEMM's): the attention parameters' gradients of
+    transformers' forward through autograd, bf16, over two rows packed differently."""
+    path = checkpoints["mixed"]
+    plain, fast = (trainer.load_hf_model(path, device="cuda", samebits_forwards=f) for f in (False, True))
+
+    def grads(model):
+        _rows_logits(model, positions=True, grad=True).float().square().mean().backward()
+        return {
+            n: p.grad.float() for n, p in model.named_parameters() if "self_attn" in n and p.grad is not None
+        }
+
+    want = grads(plain)
+    calls = _count_blocks(monkeypatch)
+    got = grads(fast)
+    assert calls[0] == fast.config.num_hidden_layers
+    assert got.keys() == want.keys() and len(got) == 6 * plain.config.num_hidden_layers
+    for name in want:  # bf16 roundings in other orders apart
+        assert ((got[name] - want[name]).norm() / want[name].norm()).item() < 5e-2, name

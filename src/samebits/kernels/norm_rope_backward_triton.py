@@ -64,8 +64,8 @@ def qk_norm_rope_backward_kernel(
     sign = tl.where(d < D // 2, 1.0, -1.0)  # rotate_half's transpose: [z2, -z1]
     wq = tl.load(qw_ptr + d).to(tl.float32)
     wk = tl.load(kw_ptr + d).to(tl.float32)
-    dwq = tl.zeros([BLOCK_H, D], dtype=tl.float32)
-    dwk = tl.zeros([BLOCK_KVH, D], dtype=tl.float32)
+    dwq = tl.zeros([D], dtype=tl.float32)  # summed over heads every token: few registers
+    dwk = tl.zeros([D], dtype=tl.float32)
     hq = tl.arange(0, BLOCK_H)[:, None]
     hk = tl.arange(0, BLOCK_KVH)[:, None]
     first = pid.to(tl.int64) * per_program
@@ -81,20 +81,20 @@ def qk_norm_rope_backward_kernel(
         )  # fmt: skip
         tl.store(row + hq * D + d, dx.to(out_ptr.dtype.element_ty), mask=mask)
         if WANT_DWQ:
-            dwq += part
+            dwq += tl.sum(part, axis=0)
         dx, part, mask = _heads_backward(
             dk_ptr + t * stride_dk, k_ptr + t * stride_k, wk, cos, sin_p,
             kv_heads, live, inv_n, eps, d, partner, sign, BLOCK_KVH, D,
         )  # fmt: skip
         tl.store(row + (heads + hk) * D + d, dx.to(out_ptr.dtype.element_ty), mask=mask)
         if WANT_DWK:
-            dwk += part
+            dwk += tl.sum(part, axis=0)
         v = tl.load(dv_ptr + t * stride_dv + hk * D + d, mask=mask, other=0.0)
         tl.store(row + (heads + kv_heads + hk) * D + d, v.to(out_ptr.dtype.element_ty), mask=mask)
     if WANT_DWQ:
-        tl.store(dwq_ptr + pid * D + d, tl.sum(dwq, axis=0)[None, :])
+        tl.store(dwq_ptr + pid * D + tl.arange(0, D), dwq)
     if WANT_DWK:
-        tl.store(dwk_ptr + pid * D + d, tl.sum(dwk, axis=0)[None, :])
+        tl.store(dwk_ptr + pid * D + tl.arange(0, D), dwk)
 
 
 def _heads_rows(x: torch.Tensor, d: int) -> bool:
@@ -144,7 +144,7 @@ def qk_norm_rope_backward(dq, dk, dv, q, k, q_weight, k_weight, eps, cos, sin, w
         t, h, kvh, per_program, 1.0 / d, eps,
         dq.stride(0), dk.stride(0), dv.stride(0), q.stride(0), k.stride(0), cos.stride(0), out.stride(0),
         BLOCK_H=next_power_of_2(h), BLOCK_KVH=next_power_of_2(kvh), D=d, WANT_DWQ=wants[0], WANT_DWK=wants[1],
-        num_warps=4,
+        num_warps=8 if next_power_of_2(h) * d >= 4096 else 4,
     )  # fmt: skip
     dws = [
         torch.sum(p, 0, out=p.new_empty(d)).to(w.dtype) if want else None

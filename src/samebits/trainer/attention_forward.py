@@ -19,8 +19,9 @@ kernels (gradients carry no bitwise contract): the two linears' GEMMs, the atten
 device backward, the norms' and rotary's `qk_norm_rope_backward` (on CUDA one launch).
 
 Anything else runs the module's own forward: outside the context, under autocast, with a KV
-cache, an attention mask, dropout, another attention implementation, or inputs of another
-dtype than the weights.
+cache, an attention mask, dropout, another attention implementation, inputs of another dtype
+than the weights, or sub-modules that are no longer samebits' swapped linears and norms or that
+carry hooks (the block would skip them).
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.nn.modules import module as nn_module
 
 from samebits.model.attention import _BACKWARD, _backward_cpu, attention
 from samebits.numerics.registry import pick
-from samebits.trainer.forwards import _direct, _grad
+from samebits.trainer.forwards import SamebitsLinear, _direct, _grad, _rms_norm_forward
 from samebits.trainer.registration import _row_batches
 
 
@@ -87,6 +89,8 @@ class _AttentionBlock(torch.autograd.Function):
         t = x2.shape[0]
         g = grad.reshape(t, -1)  # [T, hidden]
         dwo = _mm(g.t(), out.view(t, -1)) if need[4] else None
+        if not any(need[i] for i in (0, 1, 2, 3, 5, 6)):  # all below it frozen: o_proj's grad only
+            return None, None, None, None, dwo, *[None] * 6
         d_out = _mm(g, wo).view(out.shape)  # [T, H, D]
         backward = _BACKWARD.get(x2.device.type, _backward_cpu)
         parts = [
@@ -104,10 +108,33 @@ class _AttentionBlock(torch.autograd.Function):
         return dx, *(w if n else None for w, n in zip(dw, need[1:4], strict=True)), dwo, dwqn, dwkn, *[None] * 4
 
 
+def _parts_as_swapped(self) -> bool:
+    """The block stands in for its sub-modules' forwards: only while they are still samebits'
+    swapped linears and norms with no hooks (a hook, or an adapter such as PEFT's LoRA put in a
+    projection's place, would be skipped)."""
+    linears = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+    parts = (*linears, self.q_norm, self.k_norm)
+    return (
+        all(type(m) is SamebitsLinear for m in linears)
+        and type(self.q_norm).forward is _rms_norm_forward
+        and type(self.k_norm).forward is _rms_norm_forward
+        and not any(
+            m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+            for m in parts
+        )
+        and not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+        and not (nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks)
+    )
+
+
 def attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
     """transformers' `Qwen3MoeAttention.forward` -> (output, None): `_AttentionBlock` where it
     has the module's bits (module docstring), the module's own forward otherwise."""
     cos, sin = position_embeddings
+    if not _parts_as_swapped(self):
+        return self._samebits_base.forward(
+            self, hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs
+        )
     linears = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
     weights = [m.weight for m in linears] + [self.q_norm.weight, self.k_norm.weight]
     if not (

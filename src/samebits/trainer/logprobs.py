@@ -42,7 +42,7 @@ def reset_rotary_inv_freq(model) -> None:
 # on every call (each micro-batch of an RL update), and on CUDA each check copies to the host: a
 # device sync that stops the host running ahead of the GPU. A tensor written since (in place: a
 # new version), given other storage (`.data =`) or a new one (`model.to`, a reload) is checked
-# again.
+# again; a write through `.data` (which bumps no version) after a pass is not seen.
 _PASSED = WeakTensorKeyDictionary()
 
 
