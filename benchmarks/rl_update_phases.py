@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
+import importlib.util
 import json
 import statistics
 import time
@@ -71,7 +73,7 @@ def _time_backward_nodes(seconds: collections.Counter, calls: collections.Counte
     """Wrap the backward of each of samebits' trainer autograd nodes with a host timer."""
     from samebits.model import attention
     from samebits.numerics import registry
-    from samebits.trainer import attention_forward, forwards
+    from samebits.trainer import forwards
 
     def wrap(name, fn):
         def run(*a, **k):
@@ -84,8 +86,10 @@ def _time_backward_nodes(seconds: collections.Counter, calls: collections.Counte
 
         return run
 
-    nodes = (forwards._Linear, forwards._RMSNorm, forwards._Router, attention._PackedAttention)
-    for cls in (*nodes, attention_forward._AttentionBlock):
+    nodes = [forwards._Linear, forwards._RMSNorm, forwards._Router, attention._PackedAttention]
+    if importlib.util.find_spec("samebits.trainer.attention_forward"):  # not in older checkouts
+        nodes.append(importlib.import_module("samebits.trainer.attention_forward")._AttentionBlock)
+    for cls in nodes:
         cls.backward = staticmethod(wrap(cls.__name__, cls.backward))
     for by_profile in registry.TABLE["experts_backward"].values():
         for profile, fn in by_profile.items():
