@@ -55,26 +55,16 @@ KERNEL_MODULES = (
 
 
 def _config(layers: int):
-    """A Qwen3-MoE config every samebits launcher takes (head_dim a power of two, hidden <= 8192)
-    whose stock CPU compute is small: 256 hidden, 4 + 2 heads of 64, 8 experts of 128, top-2."""
+    """The built-in tiny shape widened until every samebits launcher takes it (head_dim a power of
+    two): 256 hidden, 4 + 2 heads of 64, 8 experts of 128, top-2, every layer sparse; its stock
+    CPU compute stays small."""
     from transformers import Qwen3MoeConfig
 
+    from samebits.model.tiny import TINY_SHAPE
+
+    wider = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, head_dim=64)
     return Qwen3MoeConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        moe_intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
+        **(TINY_SHAPE | wider | dict(num_hidden_layers=layers, num_experts=8, mlp_only_layers=[]))
     )
 
 
