@@ -109,3 +109,19 @@ def test_rotary_check_reads_the_buffer_once_until_it_changes(tiny, monkeypatch):
     inv[0] = inv[0] * 2  # written in place: read again, and refused
     with pytest.raises(trainer.RotaryMismatchError):
         trainer.check_rotary_inv_freq(m)
+
+
+def test_positions_built_on_the_host_are_not_read_back_from_the_device():
+    """token_logprobs builds the positions on the host: `remember_packings` reads the packing
+    there, so the forward's attention never reads the device copy (on CUDA a sync a forward).
+    A meta tensor stands in for the device copy: it has no values, so any read of it fails, as
+    the control shows."""
+    from samebits.trainer import registration
+
+    host = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    device_copy = host.to("meta")
+    with pytest.raises(NotImplementedError, match="meta"):  # the control: the forward reads the values
+        registration._packings(host.to("meta"))
+    registration.remember_packings(device_copy, host)
+    (batch,) = registration._packings(device_copy)
+    assert batch.query_start_loc_cpu.tolist() == [0, 3, 5, 9]

@@ -12,6 +12,7 @@ from samebits.model.families import family_for
 from samebits.numerics.ops import rotary_inv_freq
 from samebits.trainer.checks import from_pretrained_checked
 from samebits.trainer.forwards import use_samebits_forwards
+from samebits.trainer.registration import remember_packings
 
 
 class RotaryMismatchError(RuntimeError):
@@ -128,7 +129,10 @@ def token_logprobs(
             pos, extra = family.trainer_inputs(
                 model, [sequences[i] for i in group], [prompts[i] for i in group]
             )
-            logits = model(input_ids=ids[None], position_ids=pos.to(device), use_cache=False, **extra).logits[0]
+            pos_on_device = pos.to(device)
+            if pos.dim() == 2 and pos.device.type == "cpu":  # its packing read here, not from the device
+                remember_packings(pos_on_device, pos)
+            logits = model(input_ids=ids[None], position_ids=pos_on_device, use_cache=False, **extra).logits[0]
             offset = 0
             for i in group:
                 n, p = len(sequences[i]), prompt_lens[i]

@@ -103,7 +103,14 @@ def _packings(position_ids: torch.Tensor) -> list[AttentionBatch]:
     hit = _PACKINGS.get(position_ids)
     if hit is not None and hit[0] == position_ids._version:
         return hit[1]
-    rows = position_ids.view(-1, position_ids.shape[-1])
+    return remember_packings(position_ids, position_ids)
+
+
+def remember_packings(position_ids: torch.Tensor, host_positions: torch.Tensor) -> list[AttentionBatch]:
+    """Read the packing of `position_ids` from `host_positions`, a host copy of the same values,
+    and keep it for the forward that passes `position_ids`: a caller that built the positions
+    on the host saves the forward its one read of them from the device (a sync)."""
+    rows = host_positions.view(-1, host_positions.shape[-1])
     batches = [
         AttentionBatch.packed([e - s for s, e in segment_bounds(row)], position_ids.device) for row in rows
     ]
