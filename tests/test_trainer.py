@@ -125,3 +125,40 @@ def test_positions_built_on_the_host_are_not_read_back_from_the_device():
     registration.remember_packings(device_copy, host)
     (batch,) = registration._packings(device_copy)
     assert batch.query_start_loc_cpu.tolist() == [0, 3, 5, 9]
+
+
+@pytest.mark.parametrize("context_fn", [True, False])
+def test_activation_checkpointing_recomputes_the_forwards_numerics(tiny, context_fn):
+    """transformers' gradient checkpointing (non-reentrant) recomputes each layer in backward,
+    outside batch_invariant(): with `trainer.checkpoint_context` the recompute re-enters the
+    forward's numerics, so it gives the gradients of the forward that ran (those without
+    checkpointing). The control, without it: the swapped modules recompute on transformers'
+    path, save other tensors, and torch refuses the backward."""
+    from torch.utils.checkpoint import CheckpointError
+
+    def run(checkpointing):
+        m = trainer.load_hf_model(tiny, dtype=torch.float32).train()
+        if checkpointing:
+            kwargs = {"use_reentrant": False} | (
+                {"context_fn": trainer.checkpoint_context} if context_fn else {}
+            )
+            if hasattr(m, "activation_checkpointing_enable"):  # transformers' name from 5.23 on
+                m.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        ids = torch.tensor([[5, 9, 11, 3, 7, 2, 8, 6, 4, 10]])
+        with batch_invariant():
+            pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4]])
+            logits = m(input_ids=ids, position_ids=pos, use_cache=False).logits
+        logits.square().mean().backward()  # outside the context, as the RL update runs it
+        return logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+
+    want_logits, want = run(False)
+    if not context_fn:
+        with pytest.raises(CheckpointError):
+            run(True)
+        return
+    got_logits, got = run(True)
+    assert torch.equal(got_logits, want_logits) and got.keys() == want.keys()
+    for name in want:
+        assert ((got[name] - want[name]).norm() / want[name].norm()).item() < 1e-6, name

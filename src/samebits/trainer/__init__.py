@@ -1,5 +1,6 @@
 """The transformers side: samebits experts/attention registered, teacher-forced log-probs."""
 
+from samebits.trainer.checkpointing import checkpoint_context
 from samebits.trainer.forwards import use_samebits_forwards
 from samebits.trainer.logprobs import (
     RotaryMismatchError,
@@ -15,6 +16,7 @@ register()
 
 __all__ = [
     "RotaryMismatchError",
+    "checkpoint_context",
     "check_rotary_inv_freq",
     "load_hf_model",
     "load_hf_thinker",
