@@ -412,3 +412,81 @@ def test_on_cuda_the_attention_blocks_gradients_match_transformers(checkpoints, 
     assert got.keys() == want.keys() and len(got) == 6 * plain.config.num_hidden_layers
     for name in want:  # bf16 roundings in other orders apart
         assert ((got[name] - want[name]).norm() / want[name].norm()).item() < 5e-2, name
+
+
+_CUDA_PATH = """
+import collections, importlib
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+from samebits import trainer, batch_invariant
+from samebits.kernels import experts_backward as eb
+from samebits.model import attention
+from samebits.model.tiny import TINY_SHAPE
+from samebits.numerics import registry
+from samebits.trainer import attention_forward
+
+small = dict(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, head_dim=32)
+small |= dict(num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2, num_experts=4)
+small |= dict(mlp_only_layers=[])
+cfg = Qwen3MoeConfig(**(TINY_SHAPE | small))
+impl = dict(dtype=torch.float16, experts_implementation="samebits", attn_implementation="samebits")
+torch.manual_seed(0)
+plain, fast = AutoModelForCausalLM.from_config(cfg, **impl), AutoModelForCausalLM.from_config(cfg, **impl)
+fast.load_state_dict(plain.state_dict())
+for m in (plain, fast):
+    trainer.reset_rotary_inv_freq(m)
+ids = torch.tensor([[5, 9, 11, 3, 7, 2, 8, 6, 4, 10, 12, 13]])
+pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4]])
+
+def run(model):
+    with batch_invariant():
+        out = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    out.float().square().mean().backward()
+    return out.detach().float(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+
+want_logits, want = run(plain)  # transformers' modules, the CPU kernels
+# the CUDA entries on CPU tensors (the prelude makes them report is_cuda), their Triton kernels
+# run by the interpreter; the grouped GEMMs as a loop (torch's CPU one takes no such strides)
+registry.triton_available = lambda: True
+for name in ("linears", "qk_norm_rope_cache", "qk_norm_rope_backward", "experts", "experts_backward",
+             "rms_norm", "rms_norm_backward", "matmul"):
+    registry.TABLE[name]["cpu"] = registry.TABLE[name]["cuda"]
+real_backward = eb.experts_backward
+registry.experts_backward = lambda *a, **k: real_backward(*a, **k, gmm=eb.grouped_mm_loop)
+attention._paged_attention.kernel = lambda device: attention._TRITON_ATTENTION
+launches = collections.Counter()
+counted_kernels = (
+    ("norm_rope_triton", "qk_norm_rope_cache"),
+    ("norm_rope_backward_triton", "qk_norm_rope_backward"),
+    ("experts_backward_triton", "pointwise"),
+    ("attention_triton", "paged_attention"),
+)
+for mod, fn in counted_kernels:
+    module = importlib.import_module(f"samebits.kernels.{mod}")
+    def counted(*a, _real=getattr(module, fn), _key=fn, **k):
+        launches[_key] += 1
+        return _real(*a, **k)
+    setattr(module, fn, counted)
+real_block = attention_forward._block
+attention_forward._block = lambda *a: launches.update(["block"]) or real_block(*a)
+trainer.use_samebits_forwards(fast)
+got_logits, got = run(fast)
+assert dict(launches) == {k: 2 for k in ("block", *(fn for _, fn in counted_kernels))}, launches
+assert ((got_logits - want_logits).norm() / want_logits.norm()).item() < 2e-3
+assert got.keys() == want.keys()
+for name in want:
+    assert ((got[name] - want[name]).norm() / want[name].norm()).item() < 3e-2, name
+print("OK")
+"""
+
+
+def test_the_cuda_path_of_the_trainer_under_the_interpreter(monkeypatch):
+    """The trainer's CUDA path end to end, without a GPU: every registry op on its CUDA entry,
+    their Triton kernels (the joined q/k/v GEMM, the q/k norm + rotary forward and backward,
+    the attention, the experts and their pointwise backward, the norms) run by Triton's CPU
+    interpreter, a packed forward + backward of two layers in fp16. It checks the plumbing
+    (arguments, strides, layouts, which kernel runs) against the CPU path: logits and
+    gradients close (not bitwise: the interpreter sums in numpy's order), every kernel ran.
+    The GPU tests check the bits on the device."""
+    from interpreted import run_interpreted
+
+    run_interpreted(_CUDA_PATH)
