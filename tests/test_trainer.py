@@ -127,14 +127,19 @@ def test_positions_built_on_the_host_are_not_read_back_from_the_device():
     assert batch.query_start_loc_cpu.tolist() == [0, 3, 5, 9]
 
 
+@pytest.mark.parametrize("profile", ["exact", "fast"])
 @pytest.mark.parametrize("context_fn", [True, False])
-def test_activation_checkpointing_recomputes_the_forwards_numerics(tiny, context_fn):
+def test_activation_checkpointing_recomputes_the_forwards_numerics(tiny, context_fn, profile):
     """transformers' gradient checkpointing (non-reentrant) recomputes each layer in backward,
-    outside batch_invariant(): with `trainer.checkpoint_context` the recompute re-enters the
-    forward's numerics, so it gives the gradients of the forward that ran (those without
-    checkpointing). The control, without it: the swapped modules recompute on transformers'
-    path, save other tensors, and torch refuses the backward."""
+    outside the forward's numerics context: with `trainer.checkpoint_context` the recompute
+    re-enters it (batch_invariant() and the profile: the fast profile's CPU experts are another
+    kernel with other bits), so the gradients are bit for bit those without checkpointing, also
+    over a second backward through the retained graph (which recomputes again). The control,
+    without it: in the exact profile the swapped modules recompute on transformers' path, save
+    other tensors, and torch refuses the backward."""
     from torch.utils.checkpoint import CheckpointError
+
+    from samebits.numerics.profile import PROFILES
 
     def run(checkpointing):
         m = trainer.load_hf_model(tiny, dtype=torch.float32).train()
@@ -147,18 +152,65 @@ def test_activation_checkpointing_recomputes_the_forwards_numerics(tiny, context
             else:
                 m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         ids = torch.tensor([[5, 9, 11, 3, 7, 2, 8, 6, 4, 10]])
-        with batch_invariant():
+        with PROFILES[profile].context():
             pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4]])
             logits = m(input_ids=ids, position_ids=pos, use_cache=False).logits
-        logits.square().mean().backward()  # outside the context, as the RL update runs it
-        return logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+        loss = logits.square().mean()
+        loss.backward(retain_graph=True)  # outside the context, as the RL update runs it
+        first = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        loss.backward()  # a second backward recomputes again
+        second = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+        return logits.detach(), first, second
 
-    want_logits, want = run(False)
+    want_logits, want, want_twice = run(False)
     if not context_fn:
-        with pytest.raises(CheckpointError):
-            run(True)
+        if profile == "exact":
+            with pytest.raises(CheckpointError):
+                run(True)
         return
-    got_logits, got = run(True)
+    got_logits, got, got_twice = run(True)
     assert torch.equal(got_logits, want_logits) and got.keys() == want.keys()
-    for name in want:
-        assert ((got[name] - want[name]).norm() / want[name].norm()).item() < 1e-6, name
+    assert all(torch.equal(got[n], want[n]) and torch.equal(got_twice[n], want_twice[n]) for n in want)
+
+
+def test_token_logprobs_hands_the_forward_its_packing(tiny, monkeypatch):
+    """token_logprobs reads each forward's packing from the positions it built on the host
+    (`remember_packings`, once a forward), before the model would read it from the device."""
+    from samebits.trainer import logprobs
+
+    m = trainer.load_hf_model(tiny, dtype=torch.bfloat16)
+    seen = []
+    real = logprobs.remember_packings
+    monkeypatch.setattr(
+        logprobs, "remember_packings", lambda dev, host: seen.append(host.tolist()) or real(dev, host)
+    )
+    with batch_invariant():
+        trainer.token_logprobs(m, [[1, 2, 3], [4, 5]], [1, 1], packed=True)
+    assert seen == [[[0, 1, 2, 0, 1]]]
+
+
+def test_checkpoint_context_re_enters_the_forwards_depth_and_profile_each_time():
+    """What `checkpoint_context` captured at the forward (here: the fast profile, inside two
+    batch_invariant() contexts) is what each recompute sees, on any thread, entered as often as
+    backwards recompute; the thread's own state comes back after each."""
+    import threading
+
+    from samebits.numerics import scope
+    from samebits.numerics.profile import FAST
+
+    with FAST.context(), batch_invariant(), batch_invariant():
+        _, recompute = trainer.checkpoint_context()
+    assert (scope.invariant_depth(), scope.profile_name()) == (0, "exact")
+    seen = []
+
+    def recompute_here():
+        with recompute:
+            seen.append((scope.invariant_depth(), scope.profile_name()))
+        seen.append((scope.invariant_depth(), scope.profile_name()))
+
+    recompute_here()
+    recompute_here()  # a second backward
+    worker = threading.Thread(target=recompute_here)  # autograd's device thread, on CUDA
+    worker.start()
+    worker.join()
+    assert seen == [(1, "fast"), (0, "exact")] * 3

@@ -14,6 +14,9 @@ recomputed would also not be the forward that ran. `checkpoint_context` is the c
     model.activation_checkpointing_enable(  # gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)
         activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": trainer.checkpoint_context}
     )
+
+Reentrant checkpointing takes no `context_fn`: its recompute runs transformers' path and its
+gradients are not those of the forward that ran. It is not supported.
 """
 
 from __future__ import annotations
@@ -34,7 +37,25 @@ def _as_at_forward(depth: int, profile: str):
         scope.pop_profile()
 
 
+class _Recompute:
+    """The forward's numerics around each recompute: checkpoint enters the one object its
+    `context_fn` returned every time it recomputes (a second backward through a retained graph
+    recomputes again), so each entry opens a fresh context."""
+
+    def __init__(self, depth: int, profile: str):
+        self.depth, self.profile = depth, profile
+        self._open: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(_as_at_forward(self.depth, self.profile))
+        self._open.append(stack)
+
+    def __exit__(self, *exc) -> bool:
+        return bool(self._open.pop().__exit__(*exc))
+
+
 def checkpoint_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """`context_fn` for `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: called at
-    the forward -> (nothing around the forward, the forward's numerics around its recompute)."""
-    return contextlib.nullcontext(), _as_at_forward(scope.invariant_depth(), scope.profile_name())
+    the forward -> (nothing around the forward, the forward's numerics around its recomputes)."""
+    return contextlib.nullcontext(), _Recompute(scope.invariant_depth(), scope.profile_name())

@@ -195,6 +195,8 @@ class _Router(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logits, grad_weights, _grad_index):
         hidden_states, weight, logits, index = ctx.saved_tensors
+        if grad_weights is None and grad_logits is None:  # neither output reached the loss
+            return None, None, None, None
         if grad_weights is None:
             return _Linear.backward(_Saved(ctx, hidden_states, weight), grad_logits) + (None, None)
         z = logits.float()
