@@ -206,14 +206,14 @@ def _experts_gradients_are_the_ops(device: str, dtype: torch.dtype, other_backwa
     grad = _randn(*x.shape, seed=12, device=device)
 
     def grads(fn):
-        leaves = [t.to(dtype).clone().requires_grad_() for t in (x, weights, gate_up, down)]
+        leaves = [t.detach().to(dtype).clone().requires_grad_() for t in (x, weights, gate_up, down)]
         with batch_invariant():
             out = fn(leaves[0], index, leaves[1], leaves[2], leaves[3])
         out.backward(grad.to(dtype))
         return [out.detach(), *(t.grad for t in leaves)]
 
-    assert direct_route((x.to(dtype).requires_grad_(),)) == (device, True)
-    leaf = x.to(dtype).requires_grad_()
+    leaf = x.to(dtype).clone().requires_grad_()  # a copy: `to` returns x itself in its own dtype
+    assert direct_route((leaf,)) == (device, True)
     assert type(ops.experts(leaf, index, weights, gate_up, down).grad_fn).__name__ == "_ExpertsGradBackward"
     got, want = grads(ops.experts), grads(op)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
