@@ -430,6 +430,7 @@ def attention(
     l_by_mma: bool = True,
     merge_last: bool | None = None,
     launch: tuple[int, int] | None = None,
+    rows: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query over its own sequence's keys 0..p -> [T, H, D].
 
@@ -445,7 +446,8 @@ def attention(
     `merge_last` (a split call): merge the chunks in the last chunk program to finish rather
     than in a second launch (`attention_kernel`'s MERGE_LAST; the same bits); None: the plan's.
     `launch`: (num_warps, num_stages) instead of the plan's (experiments; the same bits at the
-    compared layout).
+    compared layout). `rows`: (token, head) rows of a normal-orientation tile instead of the
+    plan's (experiments; a power of two of at least the padded group).
     """
     check_attention_inputs(q, k_cache, v_cache)
     t, h, d = q.shape
@@ -463,7 +465,16 @@ def attention(
         return out
     block_d = max(16, next_power_of_2(d))
     path = plan(max_q_len, b, kvh, g, d, q.dtype, sm_count(q.device), split, transposed)
-    split, transposed, rows, tokens_per_tile = path.split, path.transposed, path.rows, path.tokens_per_tile
+    split, transposed = path.split, path.transposed
+    if rows is None or transposed:
+        rows, tokens_per_tile = path.rows, path.tokens_per_tile
+    else:
+        g_pad = next_power_of_2(g)
+        if rows & (rows - 1) or rows < g_pad:
+            raise ValueError(f"attention: rows must be a power of two of at least {g_pad}, got {rows}")
+        tokens_per_tile = rows // g_pad
+        if split:
+            raise ValueError("attention: `rows` applies to calls in one program per tile, not split calls")
     warps, stages = launch or (path.warps, path.stages)
     chunks = cdiv(block_table.shape[1] * page_size, chunk)  # a bound on any sequence's chunks
     merge_last = split and (path.merge_last if merge_last is None else merge_last)

@@ -84,6 +84,94 @@ def matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
+@triton.jit
+def _tile_of(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of a tile number in the grouped order (neighbours share B tiles in L2)."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile // per_group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % group_m, (tile % per_group) // group_m
+
+
+@triton.jit
+def matmul_tma_kernel(
+    a_desc, b_desc, c_ptr, bias_ptr, M, N, K, stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr, B_KMAJOR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+):  # fmt: skip
+    """`matmul_kernel`'s products with the operand tiles loaded by tensor descriptors (TMA):
+    a [M, K] row-major; b as [N, K] (B_KMAJOR: a weight's `.t()`) or [K, N]. An out-of-bounds
+    element loads as 0, as the pointer kernel's masks give, and each output element is the
+    same BLOCK_K-step walk of K from 0 with the same dot, so the same bits. PROGRAMS > 0: a
+    persistent grid of that many programs, each walking tiles PROGRAMS apart."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    tiles = num_pid_m * num_pid_n
+    step = PROGRAMS if PROGRAMS > 0 else tiles
+    for tile in tl.range(tl.program_id(0), tiles, step):
+        pid_m, pid_n = _tile_of(tile, num_pid_m, num_pid_n, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            a = a_desc.load([m0, k * BLOCK_K])
+            if B_KMAJOR:
+                b = b_desc.load([n0, k * BLOCK_K]).T
+            else:
+                b = b_desc.load([k * BLOCK_K, n0])
+            acc = tl.dot(a, b, acc)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            acc += bias[None, :]
+        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def tma_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `matmul_tma` takes a (M, K) @ b (K, N): 16-bit operands on compute capability
+    9.x and up, a row-major and b K-major or N-major, 16-byte aligned bases and row strides."""
+    if a.dtype not in (torch.bfloat16, torch.float16) or torch.cuda.get_device_capability(a.device)[0] < 9:
+        return False
+    if a.stride(1) != 1 or a.stride(0) % 8 or a.data_ptr() % 16 or b.data_ptr() % 16:
+        return False
+    return (b.stride(0) == 1 and b.stride(1) % 8 == 0) or (b.stride(1) == 1 and b.stride(0) % 8 == 0)
+
+
+def matmul_tma(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiles: tuple[int, int, int, int] = (128, 128, 8, 3),
+    programs: int = 0,
+) -> torch.Tensor:
+    """`matmul` with TMA-loaded operand tiles (`matmul_tma_kernel`; `tma_fits` must hold);
+    `programs` > 0: a persistent grid of that many programs. The same bits as `matmul`."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = a.shape
+    n = b.shape[1]
+    c = torch.empty(m, n, dtype=a.dtype, device=a.device)
+    block_m, block_n, warps, stages = tiles
+    b_kmajor = b.stride(0) == 1
+    a_desc = TensorDescriptor.from_tensor(a, [block_m, BLOCK_K])
+    b_desc = (
+        TensorDescriptor.from_tensor(b.t(), [block_n, BLOCK_K])
+        if b_kmajor
+        else TensorDescriptor.from_tensor(b, [BLOCK_K, block_n])
+    )
+    n_tiles = cdiv(m, block_m) * cdiv(n, block_n)
+    grid = (min(programs, n_tiles) if programs > 0 else n_tiles,)
+    matmul_tma_kernel[grid](
+        a_desc, b_desc, c, bias if bias is not None else c, m, n, k, c.stride(0), c.stride(1),
+        HAS_BIAS=bias is not None, B_KMAJOR=b_kmajor, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        GROUP_M=GROUP_M, PROGRAMS=grid[0] if programs > 0 else 0, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return c
+
+
 def matmul(
     a: torch.Tensor,
     b: torch.Tensor,

@@ -1,0 +1,145 @@
+"""Prefill-sized tiles that keep the bits: attention rows per tile, TMA-fed dense GEMMs (CUDA)
+
+    python benchmarks/prefill_tiles.py [--parts attention,matmul] [--json out.json]
+
+Attention (Qwen3-30B-A3B heads: 32 query, 4 kv, head dim 128, bf16, 16-token pages): packed
+prefill of `--seqs` x `--context` and a chunked prefill (the second half of each sequence
+over its cached first half), each at (token, head) rows per tile in {64, 128, 256} and a few
+(warps, stages), compared bitwise with the default launch and timed eagerly (TFLOP/s over the
+causal half). A 64-key block's work per K/V load grows with the rows of a tile, so more rows
+read the keys from L2 fewer times; a row's own operations are the same.
+
+Dense GEMMs at prefill sizes (`--ms`): the pointer kernel at the table's tiles and at wider
+ones, `matmul_tma` (operand tiles loaded by tensor descriptors) in one program per tile and
+in a persistent grid of one program a SM, each compared bitwise with the table's launch,
+and cuBLAS (`torch.mm`, outside batch_invariant) for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+
+from samebits.kernels import attention_triton as at
+from samebits.kernels import matmul_triton as mt
+from samebits.kernels.device_facts import sm_count
+from samebits.kernels.matmul_tiles import tiles_for
+
+H, KVH, D, PAGE = 32, 4, 128, 16
+ROWS = (64, 128, 256)
+LAUNCHES = ((4, 3), (8, 2), (8, 3), (4, 2))
+SHAPES = {"q+k+v": (2048, 5120), "o_proj": (4096, 2048), "router": (2048, 128), "lm_head": (2048, 151936)}
+TILES = ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3), (128, 64, 4, 4))
+
+
+def _us(fn) -> float:
+    return 1000 * triton.testing.do_bench(fn, warmup=10, rep=60)
+
+
+def _cache(nseq: int, context: int, g: torch.Generator):
+    pages = -(-context // PAGE)
+    k = torch.randn(nseq * pages * PAGE, KVH, D, device="cuda", generator=g).bfloat16()
+    v = torch.randn_like(k)
+    table = torch.randperm(nseq * pages, device="cuda", generator=g).int().view(nseq, pages).contiguous()
+    return k, v, table
+
+
+def attention_part(nseq: int, context: int) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k, v, table = _cache(nseq, context, g)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    res = {}
+    for name, q_len in (("packed prefill", context), ("chunked prefill, second half", context // 2)):
+        q = torch.randn(nseq * q_len, H, D, device="cuda", generator=g).bfloat16()
+        meta = (
+            table,
+            torch.arange(nseq, **i32) * q_len,
+            torch.full((nseq,), q_len, **i32),
+            torch.full((nseq,), context, **i32),
+        )
+        done = context - q_len
+        flops = 4 * nseq * H * D * (q_len * done + q_len * (q_len + 1) / 2)
+
+        def call(rows=None, launch=None, q=q, meta=meta, q_len=q_len):
+            return at.attention(q, k, v, *meta, q_len, D**-0.5, PAGE, rows=rows, launch=launch)
+
+        ref = call()
+        row = {}
+        for rows in ROWS:
+            for launch in LAUNCHES:
+                label = f"rows {rows}, {launch[0]} warps, {launch[1]} stages"
+                try:
+                    out = call(rows, launch)
+                    us = _us(lambda r=rows, lc=launch: call(r, lc))
+                    row[label] = {"same_bits": torch.equal(out, ref), "us": us, "TFLOP/s": flops / us / 1e6}
+                except Exception as e:  # a launch that does not fit (shared memory, registers): say so
+                    row[label] = {"error": f"{type(e).__name__}: {e}"[:200]}
+                print(name, label, row[label], flush=True)
+        res[name] = row
+    return res
+
+
+def matmul_part(ms: list[int], shapes: list[str]) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sms = sm_count(torch.device("cuda"))
+    res = {}
+    for shape in shapes:
+        kdim, n = SHAPES[shape]
+        w = (torch.randn(n, kdim, device="cuda", generator=g) * 0.02).bfloat16()
+        for m in ms:
+            if shape == "lm_head" and m > 2048:
+                continue
+            x = torch.randn(m, kdim, device="cuda", generator=g).bfloat16()
+            flops = 2 * m * kdim * n
+            ref = mt.matmul(x, w.t())
+            small = mt.matmul(x[:16], w.t())  # the decode launch's rows: the row invariance
+            row = {"table tiles": str(tiles_for(m, n)), "rows = 16-row launch": torch.equal(ref[:16], small)}
+            row.update(_matmul_arms(x, w, ref, flops, sms, f"{shape} M={m}"))
+            res[f"{shape} M={m}"] = row
+    return res
+
+
+def _matmul_arms(x, w, ref, flops, sms, name) -> dict:
+    arms = [("pointer, table", lambda: mt.matmul(x, w.t()))]
+    arms += [(f"pointer {t}", lambda t=t: mt.matmul(x, w.t(), tiles=t)) for t in TILES]
+    arms += [(f"tma {t}", lambda t=t: mt.matmul_tma(x, w.t(), tiles=t)) for t in TILES]
+    arms += [(f"tma persistent {t}", lambda t=t: mt.matmul_tma(x, w.t(), tiles=t, programs=sms)) for t in TILES]
+    arms += [("cublas", lambda: torch.mm(x, w.t()))]
+    row = {}
+    for label, fn in arms:
+        try:
+            out = fn()
+            us = _us(fn)
+            row[label] = {"same_bits": torch.equal(out, ref), "us": us, "TFLOP/s": flops / us / 1e6}
+        except Exception as e:
+            row[label] = {"error": f"{type(e).__name__}: {e}"[:200]}
+        print(name, label, row[label], flush=True)
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", default="attention,matmul")
+    p.add_argument("--seqs", type=int, default=8)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--ms", default="1024,4096,8192")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    parts = args.parts.split(",")
+    res = {"gpu": torch.cuda.get_device_name()}
+    if "attention" in parts:
+        res["attention"] = attention_part(args.seqs, args.context)
+    if args.json:
+        json.dump(res, open(args.json, "w"), indent=1)
+    if "matmul" in parts:
+        res["matmul"] = matmul_part([int(m) for m in args.ms.split(",")], args.shapes.split(","))
+    if args.json:
+        json.dump(res, open(args.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
