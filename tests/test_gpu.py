@@ -36,6 +36,30 @@ def test_triton_matmul_row_invariant_and_close_to_float64(dtype, k, n):
     assert err < tol, err
 
 
+@pytest.mark.parametrize("k,n,bias", [(2048, 5120, False), (4096, 2048, True), (2048, 20000, False)])
+def test_triton_matmul_rows_across_the_tma_switch(monkeypatch, k, n, bias):
+    """From TMA_FROM_M rows `matmul` loads its operand tiles by tensor descriptors; every row is
+    bitwise the row of a decode-sized launch (M = 1, 16, 17, 300: the pointer kernel's tile
+    switches) and of the pointer kernel at the same M. Control: K reversed gives other bits."""
+    from samebits.kernels import matmul_triton as mt
+    from samebits.kernels.matmul_tiles import TMA_FROM_M
+
+    ran = []
+    launch = mt._launch_tma
+    monkeypatch.setattr(mt, "_launch_tma", lambda *a: ran.append(1) or launch(*a))
+    m = TMA_FROM_M + 77  # partial tiles at the end
+    a = torch.randn(m, k, device="cuda", generator=_g(40)).bfloat16()
+    w = torch.randn(n, k, device="cuda", generator=_g(41)).bfloat16()
+    b = torch.randn(n, device="cuda", generator=_g(42)).bfloat16() if bias else None
+    full = mt.matmul(a, w.t(), b)
+    assert ran, "the TMA launch did not run"
+    assert torch.equal(full, mt.matmul(a, w.t(), b, tiles=mt.tiles_for(m, n)))  # the pointer kernel
+    for rows in (1, 16, 17, 300):
+        for start in (0, m - rows):
+            assert torch.equal(mt.matmul(a[start : start + rows], w.t(), b), full[start : start + rows])
+    assert not torch.equal(mt.matmul(a.flip(1).contiguous(), w.flip(1).t(), b), full)
+
+
 def test_triton_matmul_fp32_is_ieee_not_tf32():
     from samebits.kernels.matmul_triton import matmul
 

@@ -148,6 +148,46 @@ def test_the_cuda_matmul_picks_its_tiles_by_m_and_n(m, n, want):
     assert tiles_for(m, n) == want
 
 
+def test_large_products_take_the_tma_launch_and_small_ones_the_pointer_kernel():
+    """`matmul` loads operand tiles by tensor descriptors from TMA_FROM_M rows at outputs of at
+    least TMA_MIN_N columns (the GPU test compares rows across the switch)."""
+    from samebits.kernels.matmul_tiles import TMA_FROM_M, TMA_MIN_N, TMA_TILES, tma_tiles_for
+
+    assert tma_tiles_for(TMA_FROM_M, TMA_MIN_N) == TMA_TILES == tma_tiles_for(8192, 151936)
+    assert tma_tiles_for(TMA_FROM_M - 1, 5120) is None  # prefill chunks below it, decode
+    assert tma_tiles_for(8192, 128) is None  # the router's 128 columns: the pointer kernel won
+
+
+_TMA_MATMUL = """
+from samebits.kernels import matmul_triton as mt
+g = torch.Generator().manual_seed(0)
+for m, k, n, bias in [(100, 192, 72, False), (130, 136, 64, True), (40, 64, 200, False)]:
+    a = torch.randn(m, k, generator=g).half()
+    w = torch.randn(n, k, generator=g).half()
+    b = torch.randn(n, generator=g).half() if bias else None
+    for tiles in ((64, 32, 4, 3), (32, 64, 4, 3)):
+        # the pointer kernel at the same tiles (the interpreter's numpy dots round by block shape)
+        want = mt.matmul(a, w.t(), b, tiles=tiles)
+        for programs in (0, 3):
+            assert torch.equal(mt.matmul_tma(a, w.t(), b, tiles, programs), want), (m, tiles, programs)
+            assert torch.equal(mt.matmul_tma(a, w.t().contiguous(), b, tiles, programs), want), (m, tiles)
+    # control: the same products summed from the other end of K give other bits
+    assert not torch.equal(mt.matmul_tma(a.flip(1).contiguous(), w.flip(1).t(), b, tiles), want)
+print("OK")
+"""
+
+
+def test_the_tma_matmul_gives_the_pointer_kernels_bits_in_tritons_interpreter():
+    """`matmul_tma` (operand tiles by tensor descriptors, one program a tile or a persistent
+    grid; b K-major as a weight's `.t()` or N-major) = the pointer `matmul_kernel` at the same
+    tiles, bit for bit, with partial tiles at every edge and a bias, in Triton's CPU interpreter (fp16). This checks
+    the descriptors' offsets and the epilogue; the GPU test checks the tensor cores' bits.
+    Control: K reversed gives other bits."""
+    from interpreted import run_interpreted
+
+    run_interpreted(_TMA_MATMUL)
+
+
 def test_batch_invariant_mode_routes_linear_through_the_kernel():
     w = torch.randn(384, 96, generator=_g(5))
     x = torch.randn(8, 96, generator=_g(6))

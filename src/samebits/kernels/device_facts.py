@@ -25,3 +25,9 @@ def shared_memory_per_block(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+
+
+@functools.cache
+def compute_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of `device`; (0, 0) off CUDA."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)

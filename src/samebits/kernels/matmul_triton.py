@@ -11,13 +11,16 @@ products (never TF32). `matmul_ref` in `matmul.py` is the portable version.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+from samebits.kernels.device_facts import compute_capability
 from samebits.kernels.grid import cdiv
 from samebits.kernels.launch import fast_launch
-from samebits.kernels.matmul_tiles import tiles_for
+from samebits.kernels.matmul_tiles import tiles_for, tma_tiles_for
 from samebits.kernels.pdl import launch_args, pdl_release, pdl_wait
 
 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M = 64, 128, 64, 8
@@ -25,6 +28,8 @@ NUM_WARPS, NUM_STAGES = 4, 4
 FP32_BLOCK_K = 32  # fp32 tiles are twice the bytes; fixed per dtype, so per row it never changes
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# `SAMEBITS_TMA_MATMUL=0`: large calls keep the pointer kernel too (A/B timing; the same bits).
+TMA = os.environ.get("SAMEBITS_TMA_MATMUL", "1") != "0"
 
 
 @fast_launch
@@ -133,7 +138,7 @@ def matmul_tma_kernel(
 def tma_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `matmul_tma` takes a (M, K) @ b (K, N): 16-bit operands on compute capability
     9.x and up, a row-major and b K-major or N-major, 16-byte aligned bases and row strides."""
-    if a.dtype not in (torch.bfloat16, torch.float16) or torch.cuda.get_device_capability(a.device)[0] < 9:
+    if a.dtype not in (torch.bfloat16, torch.float16) or compute_capability(a.device)[0] < 9:
         return False
     if a.stride(1) != 1 or a.stride(0) % 8 or a.data_ptr() % 16 or b.data_ptr() % 16:
         return False
@@ -148,12 +153,23 @@ def matmul_tma(
     programs: int = 0,
 ) -> torch.Tensor:
     """`matmul` with TMA-loaded operand tiles (`matmul_tma_kernel`; `tma_fits` must hold);
-    `programs` > 0: a persistent grid of that many programs. The same bits as `matmul`."""
+    `programs` > 0: a persistent grid of that many programs (measured no faster: the nineteenth
+    session in docs/perf-notes.md). The same bits as `matmul`, which calls it for large
+    products (`matmul_tiles.tma_tiles_for`)."""
+    m, k = a.shape
+    c = torch.empty(m, b.shape[1], dtype=a.dtype, device=a.device)
+    if m and b.shape[1] and k:
+        _launch_tma(a, b, c, bias, tiles, programs)
+    elif k == 0:
+        c.zero_() if bias is None else c.copy_(bias.expand_as(c))
+    return c
+
+
+def _launch_tma(a, b, c, bias, tiles, programs) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = a.shape
     n = b.shape[1]
-    c = torch.empty(m, n, dtype=a.dtype, device=a.device)
     block_m, block_n, warps, stages = tiles
     b_kmajor = b.stride(0) == 1
     a_desc = TensorDescriptor.from_tensor(a, [block_m, BLOCK_K])
@@ -169,7 +185,6 @@ def matmul_tma(
         HAS_BIAS=bias is not None, B_KMAJOR=b_kmajor, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         GROUP_M=GROUP_M, PROGRAMS=grid[0] if programs > 0 else 0, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    return c
 
 
 def matmul(
@@ -201,6 +216,11 @@ def matmul(
     if bias is not None and (bias.shape != (n,) or not bias.is_cuda):
         raise ValueError(f"bias must be a CUDA tensor of shape ({n},), got {tuple(bias.shape)}")
     ieee = a.dtype == torch.float32
+    if tiles is None and TMA and not ieee:
+        tma = tma_tiles_for(m, n)
+        if tma is not None and tma_fits(a, b):
+            _launch_tma(a, b, c, bias, tma, 0)
+            return c
     block_k = FP32_BLOCK_K if ieee else BLOCK_K
     block_m, block_n, warps, stages = tiles or tiles_for(m, n)
     grid = (cdiv(m, block_m) * cdiv(n, block_n),)
