@@ -1,6 +1,6 @@
 """Prefill-sized tiles that keep the bits: attention rows per tile, TMA-fed dense GEMMs (CUDA)
 
-    python benchmarks/prefill_tiles.py [--parts attention,matmul] [--json out.json]
+    python benchmarks/prefill_tiles.py [--parts attention,experts,matmul] [--json out.json]
 
 Attention (Qwen3-30B-A3B heads: 32 query, 4 kv, head dim 128, bf16, 16-token pages): packed
 prefill of `--seqs` x `--context` and a chunked prefill (the second half of each sequence
@@ -8,6 +8,9 @@ over its cached first half), each at (token, head) rows per tile in {64, 128, 25
 (warps, stages), compared bitwise with the default launch and timed eagerly (TFLOP/s over the
 causal half). A 64-key block's work per K/V load grows with the rows of a tile, so more rows
 read the keys from L2 fewer times; a row's own operations are the same.
+
+Experts (`--tokens`): the pointer loads against TMA (gate_up's weights, down's operands) at
+several tiles, compared bitwise with the table's launch.
 
 Dense GEMMs at prefill sizes (`--ms`): the pointer kernel at the table's tiles and at wider
 ones, `matmul_tma` (operand tiles loaded by tensor descriptors) in one program per tile and
@@ -120,6 +123,46 @@ def _matmul_arms(x, w, ref, flops, sms, name) -> dict:
     return row
 
 
+EXPERT_TILES = ((128, 128, 8, 4), (128, 128, 8, 3), (128, 256, 8, 3), (64, 256, 8, 3))
+
+
+def experts_part(tokens: list[int]) -> dict:
+    """The Qwen3-30B-A3B experts (128, top-8, H 2048, I 768) at prefill sizes: pointer loads
+    against TMA for gate_up's weights, down's operands or both, at the table's tiles and others
+    (row blocks in the grid), each compared bitwise with the table's pointer launch."""
+    from samebits.kernels.experts_tiles import tiles_for as experts_tiles
+    from samebits.kernels.experts_triton import experts_forward
+
+    e, k, h, inter = 128, 8, 2048, 768
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = (torch.randn(e, 2 * inter, h, device="cuda", generator=g) * h**-0.5).bfloat16()
+    down = (torch.randn(e, h, inter, device="cuda", generator=g) * inter**-0.5).bfloat16()
+    res = {}
+    for t in tokens:
+        x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+        weights, index = torch.softmax(torch.randn(t, e, device="cuda", generator=g), -1).topk(k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).bfloat16()
+        flops = 2 * t * k * 3 * h * inter
+
+        def call(tiles=None, tma=(False, False), args=(x, index, weights, gate_up, down)):
+            return experts_forward(*args, tiles=tiles, m_in_grid=True, tma=tma)
+
+        ref = call(experts_tiles(t * k))
+        row = {"table tiles": str(experts_tiles(t * k))}
+        for tiles in EXPERT_TILES:
+            for tma in ((False, False), (True, False), (False, True), (True, True)):
+                label = f"{tiles}, tma gate_up {tma[0]}, down {tma[1]}"
+                try:
+                    out = call(tiles, tma)
+                    us = _us(lambda tiles=tiles, tma=tma: call(tiles, tma))
+                    row[label] = {"same_bits": torch.equal(out, ref), "us": us, "TFLOP/s": flops / us / 1e6}
+                except Exception as ex:
+                    row[label] = {"error": f"{type(ex).__name__}: {ex}"[:200]}
+                print(f"experts T={t}", label, row[label], flush=True)
+        res[f"T={t}"] = row
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="attention,matmul")
@@ -127,6 +170,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--ms", default="1024,4096,8192")
     p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--tokens", default="2048,8192", help="experts part: tokens (top-8 pairs = 8x)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     parts = args.parts.split(",")
@@ -135,6 +179,8 @@ def main() -> None:
         res["attention"] = attention_part(args.seqs, args.context)
     if args.json:
         json.dump(res, open(args.json, "w"), indent=1)
+    if "experts" in parts:
+        res["experts"] = experts_part([int(t) for t in args.tokens.split(",")])
     if "matmul" in parts:
         res["matmul"] = matmul_part([int(m) for m in args.ms.split(",")], args.shapes.split(","))
     if args.json:

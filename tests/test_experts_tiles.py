@@ -60,3 +60,46 @@ def test_the_slot_tree_takes_powers_of_two_up_to_16():
     """The Triton slot sum's written-out halving tree: k = 1, 2, 4, 8, 16; others keep
     `tree_sum_ref` (the same order) or refuse the fused norm."""
     assert [k for k in range(0, 40) if experts_tiles.slot_tree_fits(k)] == [1, 2, 4, 8, 16]
+
+
+def test_prefill_sizes_load_expert_tiles_by_tma():
+    """From TMA_FROM_PAIRS routed pairs (the large, in-grid tiles' range) both expert kernels
+    load their weight tiles (and down its intermediate tiles) by tensor descriptors."""
+    from samebits.kernels.experts_tiles import TMA_FROM_PAIRS, tma_for
+
+    assert tma_for(TMA_FROM_PAIRS) == (True, True) and tma_for(TMA_FROM_PAIRS - 1) == (False, False)
+    assert tiles_for(TMA_FROM_PAIRS) == LARGE_TILES
+
+
+_TMA_EXPERTS = """
+from samebits.kernels import experts_triton as et
+g = torch.Generator().manual_seed(0)
+T, K, E, H, I = 40, 2, 4, 200, 88  # H: a partial K block (BLOCK_K 64); I: partial column tiles
+x = torch.randn(T, H, generator=g).half()
+idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
+wts = torch.rand(T, K, generator=g).half()
+gu = (torch.randn(E, 2 * I, H, generator=g) * 0.1).half()
+dn = (torch.randn(E, H, I, generator=g) * 0.1).half()
+for in_grid in (True, False):
+    kw = dict(tiles=(32, 32, 4, 2), m_in_grid=in_grid)
+    want = et.experts_forward(x, idx, wts, gu, dn, tma=(False, False), **kw)
+    for tma in ((True, False), (False, True), (True, True)):
+        got = et.experts_forward(x, idx, wts, gu, dn, tma=tma, **kw)
+        assert torch.equal(got, want), (in_grid, tma, (got.float() - want.float()).abs().max())
+    # control: the same products summed from the other end of H give other bits
+    xf, guf = x.flip(1).contiguous(), gu.flip(2).contiguous()
+    flip = et.experts_forward(xf, idx, wts, guf, dn, tma=(True, True), **kw)
+    assert not torch.equal(flip, want)
+print("OK")
+"""
+
+
+def test_tma_expert_tiles_give_the_pointer_loads_bits_in_tritons_interpreter():
+    """`experts_forward` with gate_up's weight tiles, down's operand tiles, or both loaded by
+    tensor descriptors = the pointer loads, bit for bit, in Triton's CPU interpreter (fp16),
+    with partial K and column tiles, row blocks in the grid and walked. This checks the
+    descriptors' row offsets (each expert's gate and up halves, down's rows); the GPU test
+    checks the tensor cores' bits. Control: H reversed gives other bits."""
+    from interpreted import run_interpreted
+
+    run_interpreted(_TMA_EXPERTS)

@@ -88,3 +88,21 @@ def test_control_another_k_order_changes_the_bits_the_tiles_do_not(inputs, reord
         assert not torch.equal(other, base), tiles
         err = ((other.double() - base.double()).abs() / (base.double().abs() + 1)).max().item()
         assert err < 3e-2, (tiles, err)
+
+
+def test_tma_loads_give_the_pointer_loads_bits(inputs, monkeypatch):
+    """At prefill sizes (`tma_for`) the kernels load gate_up's weight tiles and down's operand
+    tiles by tensor descriptors: with either or both, at each of the large entries, every bit
+    equals the pointer loads' (the control above runs with them on: T_BIG is past the switch)."""
+    from samebits.kernels import experts_triton as et
+
+    assert et.tma_for(T_BIG * K) == (True, True)
+    made = []
+    descriptor = et._descriptor
+    monkeypatch.setattr(et, "_descriptor", lambda *a: made.append(1) or descriptor(*a))
+    pointer = _forward(inputs, tma=(False, False))
+    assert not made
+    assert torch.equal(_forward(inputs), pointer) and len(made) == 3  # the table's choice: both
+    for tiles in (SMALL_TILES, LARGE_TILES):
+        for tma in ((True, False), (False, True), (True, True)):
+            assert torch.equal(_forward(inputs, tiles=tiles, tma=tma), pointer), (tiles, tma)

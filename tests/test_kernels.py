@@ -180,8 +180,9 @@ print("OK")
 def test_the_tma_matmul_gives_the_pointer_kernels_bits_in_tritons_interpreter():
     """`matmul_tma` (operand tiles by tensor descriptors, one program a tile or a persistent
     grid; b K-major as a weight's `.t()` or N-major) = the pointer `matmul_kernel` at the same
-    tiles, bit for bit, with partial tiles at every edge and a bias, in Triton's CPU interpreter (fp16). This checks
-    the descriptors' offsets and the epilogue; the GPU test checks the tensor cores' bits.
+    tiles, bit for bit, with partial tiles at every edge and a bias, in Triton's CPU interpreter
+    (fp16). This checks the descriptors' offsets and the epilogue; the GPU test checks the
+    tensor cores' bits.
     Control: K reversed gives other bits."""
     from interpreted import run_interpreted
 

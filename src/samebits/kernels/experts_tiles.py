@@ -95,3 +95,17 @@ def m_in_grid_for(pairs: int) -> bool:
     blocks at one token instead of 128 experts). The large tiles: an expert's several blocks run
     side by side and share its weight tile in L2 instead of one program re-reading it."""
     return _entry(pairs)[2]
+
+
+# From TMA_FROM_PAIRS routed pairs (prefill chunks) gate_up's weight tiles, and down's
+# intermediate and weight tiles, are loaded by tensor descriptors (TMA) rather than pointers:
+# the same dots over the same BLOCK_K steps, so the same bits. (gate_up's rows of x are
+# gathered through the pair order, which TMA on Hopper cannot do in place.) Measured on the
+# H200: docs/perf-notes.md, nineteenth session.
+TMA_FROM_PAIRS = 8192
+
+
+def tma_for(pairs: int) -> tuple[bool, bool]:
+    """(gate_up's weights, down's operands) by TMA at `pairs` routed (token, slot) pairs."""
+    on = pairs >= TMA_FROM_PAIRS
+    return on, on

@@ -36,9 +36,16 @@ import torch
 import triton
 import triton.language as tl
 
-from samebits.kernels.device_facts import shared_memory_per_block
+from samebits.kernels.device_facts import compute_capability, shared_memory_per_block
 from samebits.kernels.experts import route
-from samebits.kernels.experts_tiles import BLOCK_K, DECODE_TILES, m_in_grid_for, slot_tree_fits, tiles_for
+from samebits.kernels.experts_tiles import (
+    BLOCK_K,
+    DECODE_TILES,
+    m_in_grid_for,
+    slot_tree_fits,
+    tiles_for,
+    tma_for,
+)
 from samebits.kernels.grid import cdiv, next_power_of_2
 from samebits.kernels.launch import fast_launch
 from samebits.kernels.pdl import launch_args, pdl_release, pdl_wait
@@ -170,11 +177,14 @@ def gate_up_kernel(
     E: tl.constexpr = 1,
     E_PAD: tl.constexpr = 1,
     PDL: tl.constexpr = False,
+    w_desc=None,
+    W_TMA: tl.constexpr = False,
 ):
     pdl_wait(PDL)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     e, m_lo, m_hi, end = _m_range(offsets_ptr, tl.program_id(0), BLOCK_M, M_IN_GRID, E, E_PAD)
     kk = tl.arange(0, BLOCK_K)
+    w_row = e * (2 * INTER) + tl.program_id(1) * BLOCK_N  # W_TMA: gate's first row in [E * 2I, H]
     w_gate = w_ptr + e.to(tl.int64) * stride_we + cols[None, :] * stride_wn + kk[:, None]  # [BK, BN]
     w_up = w_gate + INTER * stride_wn
     for m0 in range(m_lo, m_hi, BLOCK_M):
@@ -187,9 +197,13 @@ def gate_up_kernel(
         for k0 in range(0, H, BLOCK_K):
             k_ok = kk < H - k0
             x = tl.load(x_rows + k0, mask=in_rows[:, None] & k_ok[None, :], other=0.0)
-            w_mask = k_ok[:, None] & (cols[None, :] < INTER)
-            acc_gate = tl.dot(x, tl.load(w_gate + k0, mask=w_mask, other=0.0), acc_gate)
-            acc_up = tl.dot(x, tl.load(w_up + k0, mask=w_mask, other=0.0), acc_up)
+            if W_TMA:  # columns past H load as 0; rows past I are other columns, never stored
+                acc_gate = tl.dot(x, w_desc.load([w_row, k0]).T, acc_gate)
+                acc_up = tl.dot(x, w_desc.load([w_row + INTER, k0]).T, acc_up)
+            else:
+                w_mask = k_ok[:, None] & (cols[None, :] < INTER)
+                acc_gate = tl.dot(x, tl.load(w_gate + k0, mask=w_mask, other=0.0), acc_gate)
+                acc_up = tl.dot(x, tl.load(w_up + k0, mask=w_mask, other=0.0), acc_up)
         pdl_release(PDL)  # after each row block's K loop (a repeat is a no-op)
         gate = acc_gate.to(h_ptr.dtype.element_ty).to(tl.float32)
         up = acc_up.to(h_ptr.dtype.element_ty).to(tl.float32)
@@ -224,11 +238,15 @@ def down_kernel(
     E: tl.constexpr = 1,
     E_PAD: tl.constexpr = 1,
     PDL: tl.constexpr = False,
+    h_desc=None,
+    w_desc=None,
+    TMA: tl.constexpr = False,
 ):
     pdl_wait(PDL)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     e, m_lo, m_hi, end = _m_range(offsets_ptr, tl.program_id(0), BLOCK_M, M_IN_GRID, E, E_PAD)
     kk = tl.arange(0, BLOCK_K)
+    w_row = e * H + tl.program_id(1) * BLOCK_N  # TMA: the tile's first row in [E * H, I]
     w_tile = w_ptr + e.to(tl.int64) * stride_we + cols[None, :] * stride_wn + kk[:, None]  # [BK, BN]
     for m0 in range(m_lo, m_hi, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
@@ -236,10 +254,13 @@ def down_kernel(
         h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_hn + kk[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
-            k_ok = kk < INTER - k0
-            a = tl.load(h_rows + k0, mask=in_rows[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_tile + k0, mask=k_ok[:, None] & (cols[None, :] < H), other=0.0)
-            acc = tl.dot(a, w, acc)
+            if TMA:  # past I loads 0; rows past the expert's (or columns past H) are never stored
+                acc = tl.dot(h_desc.load([m0, k0]), w_desc.load([w_row, k0]).T, acc)
+            else:
+                k_ok = kk < INTER - k0
+                a = tl.load(h_rows + k0, mask=in_rows[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_tile + k0, mask=k_ok[:, None] & (cols[None, :] < H), other=0.0)
+                acc = tl.dot(a, w, acc)
         pdl_release(PDL)  # after each row block's K loop (a repeat is a no-op)
         slot = tl.load(order_ptr + rows, mask=in_rows, other=0)
         weight = tl.load(weights_ptr + slot, mask=in_rows, other=0.0).to(tl.float32)
@@ -260,6 +281,7 @@ def experts_forward(
     tiles: tuple[int, int, int, int] | None = None,
     m_in_grid: bool | None = None,
     sum_slots: bool = True,
+    tma: tuple[bool, bool] | None = None,
 ) -> torch.Tensor:
     """Sum over k of `weight_k * down_e(silu(gate_e(x)) * up_e(x))` -> [T, H], batch invariant.
 
@@ -271,7 +293,9 @@ def experts_forward(
     instead of one per (expert, column tile) walking its rows (`_m_range`); the same row
     blocks, so the same bits. None: `m_in_grid_for(T * K)`. `sum_slots=False`: return the
     weighted slot outputs [T, K, H] fp32 before the top-k sum (`experts_ref_slots`), for a
-    consumer that sums them itself (`norm_rope_triton.slot_add_rms_norm`).
+    consumer that sums them itself (`norm_rope_triton.slot_add_rms_norm`). `tma`: (gate_up's
+    weight tiles, down's operand tiles) loaded by tensor descriptors (the same dots in the
+    same order, so the same bits); None: `tma_for(T * K)` where the tensors allow it.
     """
     _check(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
     t, k = top_k_index.shape
@@ -288,6 +312,10 @@ def experts_forward(
     rows_axis = cdiv(t * k, block_m) + min(e, t * k) if in_grid else e
     grid_m = dict(M_IN_GRID=in_grid, E=e, E_PAD=next_power_of_2(e))
     inter = torch.empty(t * k, i, dtype=hidden_states.dtype, device=hidden_states.device)
+    tma_gate_up, tma_down = _tma_choice(tma, t * k, gate_up_proj, down_proj)
+    gu_tma = {}
+    if tma_gate_up:
+        gu_tma = dict(w_desc=_descriptor(gate_up_proj.view(e * two_i, h), [block_n, block_k]), W_TMA=True)
     gate_up_kernel[(rows_axis, cdiv(i, block_n))](
         hidden_states,
         gate_up_proj,
@@ -307,9 +335,17 @@ def experts_forward(
         num_warps=warps,
         num_stages=stages,
         **grid_m,
+        **gu_tma,
         **launch_args(hidden_states.device),
     )
     per_slot = torch.empty(t * k, h, dtype=torch.float32, device=hidden_states.device)
+    down_tma = {}
+    if tma_down:
+        down_tma = dict(
+            h_desc=_descriptor(inter, [block_m, block_k]),
+            w_desc=_descriptor(down_proj.view(e * h, i), [block_n, block_k]),
+            TMA=True,
+        )
     down_kernel[(rows_axis, cdiv(h, block_n))](
         inter,
         down_proj,
@@ -329,10 +365,45 @@ def experts_forward(
         num_warps=warps,
         num_stages=stages,
         **grid_m,
+        **down_tma,
         **launch_args(hidden_states.device),
     )
     per_slot = per_slot.view(t, k, h)
     return per_slot if not sum_slots else slot_sum(per_slot, hidden_states.dtype)
+
+
+# `SAMEBITS_TMA_EXPERTS=0`: the pointer loads at every size (A/B timing; the same bits).
+TMA = os.environ.get("SAMEBITS_TMA_EXPERTS", "1") != "0"
+
+
+def _tma_choice(tma, pairs, gate_up, down) -> tuple[bool, bool]:
+    """`tma` as given (refused where the tensors do not allow it), or the table's where they do."""
+    if tma is not None:
+        if any(tma) and not _tma_fits(gate_up, down):
+            raise ValueError("experts (Triton): TMA needs compute capability 9.x and 16-byte aligned rows")
+        return tma
+    want = tma_for(pairs) if TMA else (False, False)
+    return want if any(want) and _tma_fits(gate_up, down) else (False, False)
+
+
+def _tma_fits(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Descriptors over the weights (and the intermediate): capability 9.x and up, contiguous
+    weights with 16-byte aligned bases and rows (H and I multiples of 8 at 16 bits)."""
+    return (
+        (_INTERPRET or compute_capability(gate_up.device)[0] >= 9)
+        and gate_up.is_contiguous()
+        and down.is_contiguous()
+        and gate_up.shape[2] % 8 == 0
+        and down.shape[2] % 8 == 0
+        and gate_up.data_ptr() % 16 == 0
+        and down.data_ptr() % 16 == 0
+    )
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, block)
 
 
 SLOT_BLOCK_H = 512
