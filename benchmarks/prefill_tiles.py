@@ -163,6 +163,41 @@ def experts_part(tokens: list[int]) -> dict:
     return res
 
 
+def norms_part(tokens: list[int]) -> dict:
+    """The two RMSNorms of a layer at prefill sizes (H 2048, bf16): the input norm that sums the
+    experts' 8 fp32 slot outputs first, and the post-attention add + norm, at several warps,
+    against their bytes at the copy bandwidth; bits compared with the default launch."""
+    from samebits.bench.core import copy_bandwidth
+    from samebits.kernels.norm_rope_triton import rms_norm, slot_add_rms_norm
+
+    bw = copy_bandwidth(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h, k = 2048, 8
+    w = torch.randn(h, device="cuda", generator=g).bfloat16()
+    res = {}
+    for t in tokens:
+        slots = torch.randn(t, k, h, device="cuda", generator=g)
+        r = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+        x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+        arms = {
+            "slot norm": (lambda wp, a=(slots, r, w): slot_add_rms_norm(*a, 1e-6, wp), t * h * (4 * k + 2 * 3)),
+            "add + norm": (lambda wp, a=(x, w, 1e-6, r): rms_norm(*a, wp), t * h * 2 * 4),
+        }
+        for name, (fn, nbytes) in arms.items():
+            ref = fn(None)
+            row = {"floor_us": 1e6 * nbytes / bw}
+            for wp in (None, 2, 4, 8, 16):
+                out = fn(wp)
+                us = _us(lambda fn=fn, wp=wp: fn(wp))
+                row[f"warps {wp or 'default'}"] = {
+                    "same_bits": all(torch.equal(a, b) for a, b in zip(out, ref, strict=True)),
+                    "us": us,
+                }
+            print(f"T={t} {name}", row, flush=True)
+            res[f"T={t} {name}"] = row
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="attention,matmul")
@@ -179,6 +214,8 @@ def main() -> None:
         res["attention"] = attention_part(args.seqs, args.context)
     if args.json:
         json.dump(res, open(args.json, "w"), indent=1)
+    if "norms" in parts:
+        res["norms"] = norms_part([int(t) for t in args.tokens.split(",")])
     if "experts" in parts:
         res["experts"] = experts_part([int(t) for t in args.tokens.split(",")])
     if "matmul" in parts:

@@ -76,10 +76,13 @@ def rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
 
-def slot_add_rms_norm(slots: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+def slot_add_rms_norm(
+    slots: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, warps: int | None = None
+):
     """slots [T, K, H] fp32 (the MoE experts' weighted outputs before their top-k sum, K a power
     of two <= 16), residual [T, H] -> (residual + sum, norm) in one launch: `slot_sum_kernel`'s
-    sum rounded to the residual's dtype, then `rms_norm(sum, weight, eps, residual)`'s bits."""
+    sum rounded to the residual's dtype, then `rms_norm(sum, weight, eps, residual)`'s bits.
+    `warps` overrides the launch's (experiments: every row's order is the code's tree)."""
     t, k, h = slots.shape
     if (
         residual.shape != (t, h)
@@ -100,13 +103,21 @@ def slot_add_rms_norm(slots: torch.Tensor, residual: torch.Tensor, weight: torch
             slots, r2, weight, out, summed, h, float(np.float32(1.0) / np.float32(h)), eps,
             k * h, r2.stride(0), out.stride(0), summed.stride(0),
             HAS_RES=True, BLOCK=block, SLOTS=k,
-            num_warps=8 if block >= 1024 else 2, enable_fp_fusion=False, **launch_args(residual.device),
+            num_warps=warps or (8 if block >= 1024 else 2), enable_fp_fusion=False,
+            **launch_args(residual.device),
         )  # fmt: skip
     return summed, out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """x [..., H] (and residual) -> norm, or (residual + x, norm) when residual is given."""
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    warps: int | None = None,
+):
+    """x [..., H] (and residual) -> norm, or (residual + x, norm) when residual is given.
+    `warps` overrides the launch's (experiments: every row's order is the code's tree)."""
     h = x.shape[-1]
     x2 = x.reshape(-1, h)
     if x2.stride(-1) != 1:
@@ -131,7 +142,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             summed.stride(0),
             HAS_RES=residual is not None,
             BLOCK=block,
-            num_warps=4 if block >= 1024 else 1,
+            num_warps=warps or (4 if block >= 1024 else 1),
             enable_fp_fusion=False,  # keep `variance + eps` and the other products rounded
             **launch_args(x.device),
         )
