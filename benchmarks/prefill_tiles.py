@@ -123,7 +123,8 @@ def _matmul_arms(x, w, ref, flops, sms, name) -> dict:
     return row
 
 
-EXPERT_TILES = ((128, 128, 8, 4), (128, 128, 8, 3), (128, 256, 8, 3), (64, 256, 8, 3))
+EXPERT_TILES = ((128, 128, 8, 4), (128, 128, 8, 3), (64, 256, 8, 3))
+DOWN_TILES = ((128, 256, 8, 3), (256, 128, 8, 3), (128, 256, 8, 4), (64, 256, 8, 4))
 
 
 def experts_part(tokens: list[int]) -> dict:
@@ -144,8 +145,8 @@ def experts_part(tokens: list[int]) -> dict:
         weights = (weights / weights.sum(-1, keepdim=True)).bfloat16()
         flops = 2 * t * k * 3 * h * inter
 
-        def call(tiles=None, tma=(False, False), args=(x, index, weights, gate_up, down)):
-            return experts_forward(*args, tiles=tiles, m_in_grid=True, tma=tma)
+        def call(tiles=None, tma=(False, False), down_tiles=None, args=(x, index, weights, gate_up, down)):
+            return experts_forward(*args, tiles=tiles, m_in_grid=True, tma=tma, down_tiles=down_tiles)
 
         ref = call(experts_tiles(t * k))
         row = {"table tiles": str(experts_tiles(t * k))}
@@ -155,6 +156,17 @@ def experts_part(tokens: list[int]) -> dict:
                 try:
                     out = call(tiles, tma)
                     us = _us(lambda tiles=tiles, tma=tma: call(tiles, tma))
+                    row[label] = {"same_bits": torch.equal(out, ref), "us": us, "TFLOP/s": flops / us / 1e6}
+                except Exception as ex:
+                    row[label] = {"error": f"{type(ex).__name__}: {ex}"[:200]}
+                print(f"experts T={t}", label, row[label], flush=True)
+        table = experts_tiles(t * k)
+        for dt in DOWN_TILES:  # down's own tiles beside the table's gate_up
+            for tma in ((False, False), (False, True), (True, True)):
+                label = f"table gate_up, down {dt}, tma gate_up {tma[0]}, down {tma[1]}"
+                try:
+                    out = call(table, tma, dt)
+                    us = _us(lambda dt=dt, tma=tma, tb=table: call(tb, tma, dt))
                     row[label] = {"same_bits": torch.equal(out, ref), "us": us, "TFLOP/s": flops / us / 1e6}
                 except Exception as ex:
                     row[label] = {"error": f"{type(ex).__name__}: {ex}"[:200]}

@@ -282,6 +282,7 @@ def experts_forward(
     m_in_grid: bool | None = None,
     sum_slots: bool = True,
     tma: tuple[bool, bool] | None = None,
+    down_tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Sum over k of `weight_k * down_e(silu(gate_e(x)) * up_e(x))` -> [T, H], batch invariant.
 
@@ -296,6 +297,8 @@ def experts_forward(
     consumer that sums them itself (`norm_rope_triton.slot_add_rms_norm`). `tma`: (gate_up's
     weight tiles, down's operand tiles) loaded by tensor descriptors (the same dots in the
     same order, so the same bits); None: `tma_for(T * K)` where the tensors allow it.
+    `down_tiles`: down's own (BLOCK_M, BLOCK_N, num_warps, num_stages) (experiments; None:
+    gate_up's).
     """
     _check(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
     t, k = top_k_index.shape
@@ -339,14 +342,16 @@ def experts_forward(
         **launch_args(hidden_states.device),
     )
     per_slot = torch.empty(t * k, h, dtype=torch.float32, device=hidden_states.device)
+    d_block_m, d_block_n, d_warps, d_stages = down_tiles or (block_m, block_n, warps, stages)
+    d_rows_axis = cdiv(t * k, d_block_m) + min(e, t * k) if in_grid else e
     down_tma = {}
     if tma_down:
         down_tma = dict(
-            h_desc=_descriptor(inter, [block_m, block_k]),
-            w_desc=_descriptor(down_proj.view(e * h, i), [block_n, block_k]),
+            h_desc=_descriptor(inter, [d_block_m, block_k]),
+            w_desc=_descriptor(down_proj.view(e * h, i), [d_block_n, block_k]),
             TMA=True,
         )
-    down_kernel[(rows_axis, cdiv(h, block_n))](
+    down_kernel[(d_rows_axis, cdiv(h, d_block_n))](
         inter,
         down_proj,
         per_slot,
@@ -359,11 +364,11 @@ def experts_forward(
         down_proj.stride(0),
         down_proj.stride(1),
         per_slot.stride(0),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=d_block_m,
+        BLOCK_N=d_block_n,
         BLOCK_K=block_k,
-        num_warps=warps,
-        num_stages=stages,
+        num_warps=d_warps,
+        num_stages=d_stages,
         **grid_m,
         **down_tma,
         **launch_args(hidden_states.device),
