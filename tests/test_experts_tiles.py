@@ -103,3 +103,13 @@ def test_tma_expert_tiles_give_the_pointer_loads_bits_in_tritons_interpreter():
     from interpreted import run_interpreted
 
     run_interpreted(_TMA_EXPERTS)
+
+
+def test_down_takes_its_wide_tiles_with_the_large_entry_only():
+    """down's tiles (`down_tiles_for`): the gate_up entry's everywhere but with the large entry,
+    where it takes DOWN_LARGE_TILES (256 columns; the GPU test compares their bits)."""
+    from samebits.kernels.experts_tiles import DOWN_LARGE_TILES, down_tiles_for
+
+    assert down_tiles_for(8192) == DOWN_LARGE_TILES and down_tiles_for(10**6) == DOWN_LARGE_TILES
+    for pairs in (0, 8, 1023, 1024, 8191):
+        assert down_tiles_for(pairs) == tiles_for(pairs)

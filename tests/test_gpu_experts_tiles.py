@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from samebits.kernels.experts_tiles import DECODE_TILES, LARGE_TILES, SMALL_TILES, tiles_for
+from samebits.kernels.experts_tiles import DECODE_TILES, DOWN_LARGE_TILES, LARGE_TILES, SMALL_TILES, tiles_for
 
 pytestmark = pytest.mark.gpu
 
@@ -42,9 +42,11 @@ def _forward(inputs, rows=slice(None), **kw):
 def test_the_automatic_tiles_give_the_bits_of_every_entry_forced(inputs, t):
     """On both sides of each switch (128 and 1024 tokens at top-8), the table's choice and each
     entry forced, with the row blocks walked in a program or laid out in the grid, give one
-    result, bit for bit."""
+    result, bit for bit (from 1024 tokens the table's down runs DOWN_LARGE_TILES)."""
     rows = slice(T_BIG - t, T_BIG)
     auto = _forward(inputs, rows)
+    if t >= 1024:
+        assert torch.equal(auto, _forward(inputs, rows, tiles=LARGE_TILES, down_tiles=DOWN_LARGE_TILES))
     for tiles in (DECODE_TILES, SMALL_TILES, LARGE_TILES):
         for m_in_grid in (False, True):  # an expert's row blocks walked by one program, or in the grid
             assert torch.equal(auto, _forward(inputs, rows, tiles=tiles, m_in_grid=m_in_grid)), (t, tiles)

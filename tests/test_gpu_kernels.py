@@ -571,7 +571,7 @@ def test_one_launch_routing_and_slot_sum_give_the_torch_ops_results(t):
     assert not torch.equal(left_to_right, tree_sum_ref(view, dim=1))
 
 
-@pytest.mark.parametrize("t", [1, 7, 300])
+@pytest.mark.parametrize("t", [1, 7, 300, 4100])  # 4100: past SLOT_NORM_FEW_WARPS_FROM
 def test_slot_add_rms_norm_kernel_is_slot_sum_then_add_rms_norm_on_cuda(t):
     """`norm_rope_triton.slot_add_rms_norm` (a MoE layer's top-k sum, residual add and norm in
     one launch; `registry.SLOTS_ON_CUDA` turns it on) = `slot_sum_kernel`, then the add+norm

@@ -97,11 +97,27 @@ def m_in_grid_for(pairs: int) -> bool:
     return _entry(pairs)[2]
 
 
+# down's own tiles with the large entry: 256 columns a tile read each row block of the
+# intermediate half as often from L2. H200, T = 8192 at top-8 (65,536 pairs), gate_up + down
+# eager us, same bits (docs/perf-notes.md, nineteenth session): down at (128, 128, 8, 4) 1970.5,
+# (128, 256, 8, 4) 1774.6, (128, 256, 8, 3) 1814.5, (256, 128, 8, 3) 1926.0, (64, 256, 8, 4)
+# 1875.0. gate_up keeps (128, 128): its two accumulators at 256 columns would not fit.
+DOWN_LARGE_TILES = (128, 256, 8, 4)
+
+
+def down_tiles_for(pairs: int) -> tuple[int, int, int, int]:
+    """down's (BLOCK_M, BLOCK_N, num_warps, num_stages): `tiles_for`'s, but DOWN_LARGE_TILES
+    with the large entry. BLOCK_K is never part of the choice."""
+    tiles = tiles_for(pairs)
+    return DOWN_LARGE_TILES if tiles == LARGE_TILES else tiles
+
+
 # From TMA_FROM_PAIRS routed pairs (prefill chunks) gate_up's weight tiles, and down's
 # intermediate and weight tiles, are loaded by tensor descriptors (TMA) rather than pointers:
 # the same dots over the same BLOCK_K steps, so the same bits. (gate_up's rows of x are
-# gathered through the pair order, which TMA on Hopper cannot do in place.) Measured on the
-# H200: docs/perf-notes.md, nineteenth session.
+# gathered through the pair order, which TMA on Hopper cannot do in place.) H200, T = 8192,
+# eager us (docs/perf-notes.md, nineteenth session): 1970.5 pointer loads, 1899.3 with gate_up's
+# weights by TMA, 1918.7 with both; at down's (128, 256) tiles 1774.6 -> 1768.3 with both.
 TMA_FROM_PAIRS = 8192
 
 

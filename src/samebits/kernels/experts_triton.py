@@ -41,6 +41,7 @@ from samebits.kernels.experts import route
 from samebits.kernels.experts_tiles import (
     BLOCK_K,
     DECODE_TILES,
+    down_tiles_for,
     m_in_grid_for,
     slot_tree_fits,
     tiles_for,
@@ -297,8 +298,8 @@ def experts_forward(
     consumer that sums them itself (`norm_rope_triton.slot_add_rms_norm`). `tma`: (gate_up's
     weight tiles, down's operand tiles) loaded by tensor descriptors (the same dots in the
     same order, so the same bits); None: `tma_for(T * K)` where the tensors allow it.
-    `down_tiles`: down's own (BLOCK_M, BLOCK_N, num_warps, num_stages) (experiments; None:
-    gate_up's).
+    `down_tiles`: down's own (BLOCK_M, BLOCK_N, num_warps, num_stages) (None: `tiles`, or
+    without `tiles` the table's `down_tiles_for(T * K)`).
     """
     _check(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
     t, k = top_k_index.shape
@@ -342,7 +343,10 @@ def experts_forward(
         **launch_args(hidden_states.device),
     )
     per_slot = torch.empty(t * k, h, dtype=torch.float32, device=hidden_states.device)
-    d_block_m, d_block_n, d_warps, d_stages = down_tiles or (block_m, block_n, warps, stages)
+    if down_tiles is None:
+        down_tiles = (block_m, block_n, warps, stages) if tiles is not None else down_tiles_for(t * k)
+    d_block_m, d_block_n, d_warps, d_stages = down_tiles
+    d_stages = _stages_that_fit(hidden_states.device, d_block_m, d_block_n, block_k, d_stages, weight_tiles=1)
     d_rows_axis = cdiv(t * k, d_block_m) + min(e, t * k) if in_grid else e
     down_tma = {}
     if tma_down:
@@ -428,14 +432,17 @@ def slot_sum(slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def _stages_that_fit(device: torch.device, block_m: int, block_n: int, block_k: int, stages: int) -> int:
+def _stages_that_fit(
+    device: torch.device, block_m: int, block_n: int, block_k: int, stages: int, weight_tiles: int = 2
+) -> int:
     """`stages`, or fewer where the device's shared memory a block cannot hold that many copies
-    of gate_up's tiles (x [BM, BK] and gate and up [BK, BN], 2 bytes an element). Stages only
-    pipeline the loads: no element's K order, so no bit, depends on them."""
+    of a kernel's tiles (x [BM, BK] and `weight_tiles` [BK, BN]: gate_up's gate and up, down's
+    one; 2 bytes an element). Stages only pipeline the loads: no element's K order, so no bit,
+    depends on them."""
     shared = shared_memory_per_block(device)
     if not shared:  # unknown here: the stages are taken as they are
         return stages
-    per_stage = (block_m * block_k + 2 * block_k * block_n) * 2
+    per_stage = (block_m * block_k + weight_tiles * block_k * block_n) * 2
     return max(2, min(stages, shared // per_stage))
 
 

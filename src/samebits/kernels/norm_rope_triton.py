@@ -76,6 +76,19 @@ def rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
 
+# The slot norm's warps: 8 for a wide row at decode sizes, 2 from SLOT_NORM_FEW_WARPS_FROM rows
+# (prefill chunks), where more programs a SM hide the loads of the K fp32 slot rows better: H200,
+# 8192 rows of 8 x 2048 slots, us (floor 149 at the copy bandwidth; docs/perf-notes.md,
+# nineteenth session): 8 warps 225.5, 16 194.7, 4 174.7, 2 162.2, every launch the same bits.
+SLOT_NORM_FEW_WARPS_FROM = 4096
+
+
+def _slot_norm_warps(rows: int, block: int) -> int:
+    if block < 1024:
+        return 2
+    return 2 if rows >= SLOT_NORM_FEW_WARPS_FROM else 8
+
+
 def slot_add_rms_norm(
     slots: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, warps: int | None = None
 ):
@@ -103,7 +116,7 @@ def slot_add_rms_norm(
             slots, r2, weight, out, summed, h, float(np.float32(1.0) / np.float32(h)), eps,
             k * h, r2.stride(0), out.stride(0), summed.stride(0),
             HAS_RES=True, BLOCK=block, SLOTS=k,
-            num_warps=warps or (8 if block >= 1024 else 2), enable_fp_fusion=False,
+            num_warps=warps or _slot_norm_warps(t, block), enable_fp_fusion=False,
             **launch_args(residual.device),
         )  # fmt: skip
     return summed, out
