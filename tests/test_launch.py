@@ -188,3 +188,37 @@ def test_fast_launch_is_on_for_the_checked_triton(monkeypatch):
     assert launch.fast_launch(jit) is jit
     monkeypatch.delenv("SAMEBITS_FAST_LAUNCH")
     assert isinstance(launch.fast_launch(jit), launch.FastLaunch)
+
+
+def test_every_fast_launch_kernel_takes_its_runtime_parameters_before_its_constexprs():
+    """A launch is bound only when every runtime argument comes by position and every constexpr
+    by keyword (`FastLaunch._first`), so a runtime parameter after a constexpr (say an optional
+    tensor descriptor given by keyword) would keep that kernel on Triton's ~4 us slower path at
+    every launch, silently. Every samebits kernel under `fast_launch` is checked. Control: a
+    kernel with a trailing runtime parameter is found."""
+    import importlib
+    import pkgutil
+
+    import triton.language as tl
+
+    import samebits.kernels as kernels
+    from samebits.kernels.launch import FastLaunch
+
+    def late(k):
+        params = k.fn.params
+        first = next((i for i, p in enumerate(params) if p.is_constexpr), len(params))
+        return [p.name for p in params[first:] if not p.is_constexpr]
+
+    found = {}
+    for m in pkgutil.iter_modules(kernels.__path__):
+        mod = importlib.import_module(f"samebits.kernels.{m.name}")
+        found.update({f"{m.name}.{n}": k for n, k in vars(mod).items() if isinstance(k, FastLaunch)})
+    want = {"matmul_triton.matmul_kernel", "experts_triton.gate_up_kernel", "experts_triton.down_kernel"}
+    assert want <= set(found)
+    assert {name: late(k) for name, k in found.items() if late(k)} == {}
+
+    @triton.jit
+    def trailing(x_ptr, N: tl.constexpr, desc=None):
+        pass
+
+    assert late(FastLaunch(trailing)) == ["desc"]

@@ -164,6 +164,7 @@ def gate_up_kernel(
     h_ptr,
     order_ptr,
     offsets_ptr,
+    w_desc,  # W_TMA: a tensor descriptor over w as [E * 2I, H]; else not read (w itself)
     H,
     INTER,
     TOP_K,
@@ -178,7 +179,6 @@ def gate_up_kernel(
     E: tl.constexpr = 1,
     E_PAD: tl.constexpr = 1,
     PDL: tl.constexpr = False,
-    w_desc=None,
     W_TMA: tl.constexpr = False,
 ):
     pdl_wait(PDL)
@@ -226,6 +226,8 @@ def down_kernel(
     weights_ptr,
     order_ptr,
     offsets_ptr,
+    h_desc,  # TMA: tensor descriptors over h [N, I] and w as [E * H, I]; else not read
+    w_desc,
     H,
     INTER,
     stride_hn,
@@ -239,8 +241,6 @@ def down_kernel(
     E: tl.constexpr = 1,
     E_PAD: tl.constexpr = 1,
     PDL: tl.constexpr = False,
-    h_desc=None,
-    w_desc=None,
     TMA: tl.constexpr = False,
 ):
     pdl_wait(PDL)
@@ -317,15 +317,16 @@ def experts_forward(
     grid_m = dict(M_IN_GRID=in_grid, E=e, E_PAD=next_power_of_2(e))
     inter = torch.empty(t * k, i, dtype=hidden_states.dtype, device=hidden_states.device)
     tma_gate_up, tma_down = _tma_choice(tma, t * k, gate_up_proj, down_proj)
-    gu_tma = {}
-    if tma_gate_up:
-        gu_tma = dict(w_desc=_descriptor(gate_up_proj.view(e * two_i, h), [block_n, block_k]), W_TMA=True)
+    # a descriptor is a positional runtime argument (the weights themselves, not read, without
+    # TMA): `fast_launch` binds only launches whose runtime arguments all come by position
+    gu_desc = _descriptor(gate_up_proj.view(e * two_i, h), [block_n, block_k]) if tma_gate_up else gate_up_proj
     gate_up_kernel[(rows_axis, cdiv(i, block_n))](
         hidden_states,
         gate_up_proj,
         inter,
         order,
         offsets,
+        gu_desc,
         h,
         i,
         k,
@@ -339,7 +340,7 @@ def experts_forward(
         num_warps=warps,
         num_stages=stages,
         **grid_m,
-        **gu_tma,
+        W_TMA=tma_gate_up,
         **launch_args(hidden_states.device),
     )
     per_slot = torch.empty(t * k, h, dtype=torch.float32, device=hidden_states.device)
@@ -348,13 +349,10 @@ def experts_forward(
     d_block_m, d_block_n, d_warps, d_stages = down_tiles
     d_stages = _stages_that_fit(hidden_states.device, d_block_m, d_block_n, block_k, d_stages, weight_tiles=1)
     d_rows_axis = cdiv(t * k, d_block_m) + min(e, t * k) if in_grid else e
-    down_tma = {}
+    h_desc, dw_desc = inter, down_proj
     if tma_down:
-        down_tma = dict(
-            h_desc=_descriptor(inter, [d_block_m, block_k]),
-            w_desc=_descriptor(down_proj.view(e * h, i), [d_block_n, block_k]),
-            TMA=True,
-        )
+        h_desc = _descriptor(inter, [d_block_m, block_k])
+        dw_desc = _descriptor(down_proj.view(e * h, i), [d_block_n, block_k])
     down_kernel[(d_rows_axis, cdiv(h, d_block_n))](
         inter,
         down_proj,
@@ -362,6 +360,8 @@ def experts_forward(
         top_k_weights,
         order,
         offsets,
+        h_desc,
+        dw_desc,
         h,
         i,
         inter.stride(0),
@@ -374,7 +374,7 @@ def experts_forward(
         num_warps=d_warps,
         num_stages=d_stages,
         **grid_m,
-        **down_tma,
+        TMA=tma_down,
         **launch_args(hidden_states.device),
     )
     per_slot = per_slot.view(t, k, h)
