@@ -36,14 +36,27 @@ def test_triton_matmul_row_invariant_and_close_to_float64(dtype, k, n):
     assert err < tol, err
 
 
-@pytest.mark.parametrize("k,n,bias", [(2048, 5120, False), (4096, 2048, True), (2048, 20000, False)])
-def test_triton_matmul_rows_across_the_tma_switch(monkeypatch, k, n, bias):
+@pytest.mark.parametrize(
+    "k,n,bias,n_major",
+    [
+        (2048, 5120, False, False),
+        (4096, 2048, True, False),
+        (2056, 2056, False, False),  # K and N not multiples of the tiles
+        (2048, 5120, True, True),  # b N-major
+    ],
+)
+def test_triton_matmul_rows_across_the_tma_switch(monkeypatch, k, n, bias, n_major):
     """From TMA_FROM_M rows `matmul` loads its operand tiles by tensor descriptors; every row is
     bitwise the row of a decode-sized launch (M = 1, 16, 17, 300: the pointer kernel's tile
-    switches) and of the pointer kernel at the same M. Control: K reversed gives other bits."""
+    switches) and of the pointer kernel at the same M: with a bias, with K and N not multiples
+    of the tiles (2056: the descriptors' zero fill past the edge), and with b N-major (a
+    contiguous [K, N]) as well as a weight's `.t()`. Control: K reversed gives other bits."""
     from samebits.kernels import matmul_triton as mt
+    from samebits.kernels.device_facts import tma_compared
     from samebits.kernels.matmul_tiles import TMA_FROM_M
 
+    if not tma_compared(torch.device("cuda")):
+        pytest.skip("TMA tiles run only where their bits were compared (NVIDIA compute capability 9.x)")
     ran = []
     launch = mt._launch_tma
     monkeypatch.setattr(mt, "_launch_tma", lambda *a: ran.append(1) or launch(*a))
@@ -51,13 +64,28 @@ def test_triton_matmul_rows_across_the_tma_switch(monkeypatch, k, n, bias):
     a = torch.randn(m, k, device="cuda", generator=_g(40)).bfloat16()
     w = torch.randn(n, k, device="cuda", generator=_g(41)).bfloat16()
     b = torch.randn(n, device="cuda", generator=_g(42)).bfloat16() if bias else None
-    full = mt.matmul(a, w.t(), b)
+    wt = w.t().contiguous() if n_major else w.t()
+    full = mt.matmul(a, wt, b)
     assert ran, "the TMA launch did not run"
-    assert torch.equal(full, mt.matmul(a, w.t(), b, tiles=mt.tiles_for(m, n)))  # the pointer kernel
+    assert torch.equal(full, mt.matmul(a, wt, b, tiles=mt.tiles_for(m, n)))  # the pointer kernel
     for rows in (1, 16, 17, 300):
         for start in (0, m - rows):
-            assert torch.equal(mt.matmul(a[start : start + rows], w.t(), b), full[start : start + rows])
+            assert torch.equal(mt.matmul(a[start : start + rows], wt, b), full[start : start + rows])
     assert not torch.equal(mt.matmul(a.flip(1).contiguous(), w.flip(1).t(), b), full)
+
+
+def test_triton_matmul_outputs_past_two_to_the_31_elements():
+    """An output of more than 2**31 elements (the lm_head over 14,200 tokens, as a trainer's large
+    micro-batch computes it) is written at 64-bit offsets: its last rows equal the same rows in
+    a small launch. (With 32-bit offsets they landed 2**32 elements short.)"""
+    from samebits.kernels.matmul_triton import matmul
+
+    m, k, n = 14200, 64, 151936  # m * n = 2.16e9 > 2**31
+    a = torch.randn(m, k, device="cuda", generator=_g(43)).bfloat16()
+    w = torch.randn(n, k, device="cuda", generator=_g(44)).bfloat16()
+    full = matmul(a, w.t())
+    assert torch.equal(full[-3:], matmul(a[-3:], w.t()))
+    assert torch.equal(full[:3], matmul(a[:3], w.t()))
 
 
 def test_triton_matmul_fp32_is_ieee_not_tf32():

@@ -45,8 +45,8 @@ def test_the_automatic_tiles_give_the_bits_of_every_entry_forced(inputs, t):
     result, bit for bit (from 1024 tokens the table's down runs DOWN_LARGE_TILES)."""
     rows = slice(T_BIG - t, T_BIG)
     auto = _forward(inputs, rows)
-    if t >= 1024:
-        assert torch.equal(auto, _forward(inputs, rows, tiles=LARGE_TILES, down_tiles=DOWN_LARGE_TILES))
+    if t >= 1024:  # the table's down tiles (and TMA) against down's 128 columns and pointer loads
+        assert torch.equal(auto, _forward(inputs, rows, tiles=LARGE_TILES, tma=(False, False)))
     for tiles in (DECODE_TILES, SMALL_TILES, LARGE_TILES):
         for m_in_grid in (False, True):  # an expert's row blocks walked by one program, or in the grid
             assert torch.equal(auto, _forward(inputs, rows, tiles=tiles, m_in_grid=m_in_grid)), (t, tiles)
@@ -97,7 +97,10 @@ def test_tma_loads_give_the_pointer_loads_bits(inputs, monkeypatch):
     tiles by tensor descriptors: with either or both, at each of the large entries, every bit
     equals the pointer loads' (the control above runs with them on: T_BIG is past the switch)."""
     from samebits.kernels import experts_triton as et
+    from samebits.kernels.device_facts import tma_compared
 
+    if not tma_compared(torch.device("cuda")):
+        pytest.skip("TMA tiles run only where their bits were compared (NVIDIA compute capability 9.x)")
     assert et.tma_for(T_BIG * K) == (True, True)
     made = []
     descriptor = et._descriptor
@@ -108,3 +111,27 @@ def test_tma_loads_give_the_pointer_loads_bits(inputs, monkeypatch):
     for tiles in (SMALL_TILES, LARGE_TILES):
         for tma in ((True, False), (False, True), (True, True)):
             assert torch.equal(_forward(inputs, tiles=tiles, tma=tma), pointer), (tiles, tma)
+
+
+def test_tma_loads_at_widths_that_are_not_multiples_of_the_tiles():
+    """TMA at H = 2056 and I = 776 (neither a multiple of BLOCK_K or of the column tiles): gate's
+    last column tile reads up's rows, up's the next expert's, down's the next expert's rows, and
+    the K tails are the descriptors' zero fill; none of it may reach a stored element. Every
+    combination, at the large tiles and down's wide ones, equals the pointer loads bit for bit."""
+    from samebits.kernels.device_facts import tma_compared
+    from samebits.kernels.experts_triton import experts_forward
+
+    if not tma_compared(torch.device("cuda")):
+        pytest.skip("TMA tiles run only where their bits were compared (NVIDIA compute capability 9.x)")
+    e, k, h, inter, t = 16, 2, 2056, 776, 4200  # 8400 pairs: past the TMA switch
+    x = torch.randn(t, h, device="cuda", generator=_g(20)).bfloat16()
+    weights, index = torch.softmax(torch.randn(t, e, device="cuda", generator=_g(21)), -1).topk(k, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).bfloat16()
+    gate_up = (torch.randn(e, 2 * inter, h, device="cuda", generator=_g(22)) * h**-0.5).bfloat16()
+    down = (torch.randn(e, h, inter, device="cuda", generator=_g(23)) * inter**-0.5).bfloat16()
+    args = (x, index, weights, gate_up, down)
+    pointer = experts_forward(*args, tiles=LARGE_TILES, tma=(False, False))
+    for down_tiles in (LARGE_TILES, DOWN_LARGE_TILES):
+        for tma in ((True, False), (False, True), (True, True)):
+            got = experts_forward(*args, tiles=LARGE_TILES, tma=tma, down_tiles=down_tiles)
+            assert torch.equal(got, pointer), (down_tiles, tma)

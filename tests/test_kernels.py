@@ -149,13 +149,14 @@ def test_the_cuda_matmul_picks_its_tiles_by_m_and_n(m, n, want):
 
 
 def test_large_products_take_the_tma_launch_and_small_ones_the_pointer_kernel():
-    """`matmul` loads operand tiles by tensor descriptors from TMA_FROM_M rows at outputs of at
-    least TMA_MIN_N columns (the GPU test compares rows across the switch)."""
-    from samebits.kernels.matmul_tiles import TMA_FROM_M, TMA_MIN_N, TMA_TILES, tma_tiles_for
+    """`matmul` loads operand tiles by tensor descriptors from TMA_FROM_M rows at outputs of
+    TMA_MIN_N columns up to the lm_head's width (the GPU test compares rows across the switch)."""
+    from samebits.kernels.matmul_tiles import TMA_FROM_M, TMA_MIN_N, TMA_TILES, WIDE_N, tma_tiles_for
 
-    assert tma_tiles_for(TMA_FROM_M, TMA_MIN_N) == TMA_TILES == tma_tiles_for(8192, 151936)
+    assert tma_tiles_for(TMA_FROM_M, TMA_MIN_N) == TMA_TILES == tma_tiles_for(8192, 5120)
     assert tma_tiles_for(TMA_FROM_M - 1, 5120) is None  # prefill chunks below it, decode
     assert tma_tiles_for(8192, 128) is None  # the router's 128 columns: the pointer kernel won
+    assert tma_tiles_for(8192, WIDE_N) is None and tma_tiles_for(8192, 151936) is None  # the lm_head
 
 
 _TMA_MATMUL = """

@@ -466,7 +466,9 @@ def attention(
     block_d = max(16, next_power_of_2(d))
     path = plan(max_q_len, b, kvh, g, d, q.dtype, sm_count(q.device), split, transposed)
     split, transposed = path.split, path.transposed
-    if rows is None or transposed:
+    if rows is not None and transposed:
+        raise ValueError("attention: `rows` applies to normal-orientation tiles; pass transposed=False with it")
+    if rows is None:
         rows, tokens_per_tile = path.rows, path.tokens_per_tile
     else:
         g_pad = next_power_of_2(g)

@@ -31,3 +31,10 @@ def shared_memory_per_block(device: torch.device) -> int:
 def compute_capability(device: torch.device) -> tuple[int, int]:
     """(major, minor) of `device`; (0, 0) off CUDA."""
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+
+
+def tma_compared(device: torch.device) -> bool:
+    """Whether `device` is where TMA-fed tiles were compared bit for bit with the pointer loads:
+    NVIDIA compute capability 9.x (Hopper; the H200). ROCm reports 9.x for other hardware, and
+    Blackwell's descriptors were not compared, so both keep the pointer loads."""
+    return device.type == "cuda" and torch.version.hip is None and compute_capability(device)[0] == 9

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from samebits.kernels.device_facts import compute_capability, shared_memory_per_block
+from samebits.kernels.device_facts import shared_memory_per_block, tma_compared
 from samebits.kernels.experts import route
 from samebits.kernels.experts_tiles import (
     BLOCK_K,
@@ -389,17 +389,22 @@ def _tma_choice(tma, pairs, gate_up, down) -> tuple[bool, bool]:
     """`tma` as given (refused where the tensors do not allow it), or the table's where they do."""
     if tma is not None:
         if any(tma) and not _tma_fits(gate_up, down):
-            raise ValueError("experts (Triton): TMA needs compute capability 9.x and 16-byte aligned rows")
+            raise ValueError(
+                "experts (Triton): TMA needs an NVIDIA compute capability 9.x device, contiguous weights with "
+                "16-byte aligned rows, and no CUDA graph capture"
+            )
         return tma
     want = tma_for(pairs) if TMA else (False, False)
     return want if any(want) and _tma_fits(gate_up, down) else (False, False)
 
 
 def _tma_fits(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Descriptors over the weights (and the intermediate): capability 9.x and up, contiguous
-    weights with 16-byte aligned bases and rows (H and I multiples of 8 at 16 bits)."""
+    """Descriptors over the weights (and the intermediate): a device where their bits were
+    compared (`device_facts.tma_compared`; Triton's interpreter in development), contiguous
+    weights with 16-byte aligned bases and rows (H and I multiples of 8 at 16 bits), and no CUDA
+    graph being captured (the graphs keep the pointer loads, whose capture is tested)."""
     return (
-        (_INTERPRET or compute_capability(gate_up.device)[0] >= 9)
+        (_INTERPRET or (tma_compared(gate_up.device) and not torch.cuda.is_current_stream_capturing()))
         and gate_up.is_contiguous()
         and down.is_contiguous()
         and gate_up.shape[2] % 8 == 0

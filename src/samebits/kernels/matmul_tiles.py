@@ -41,18 +41,20 @@ def tiles_for(m: int, n: int) -> tuple[int, int, int, int]:
     raise AssertionError("TILES_BY_M must end with a catch-all entry")
 
 
-# From TMA_FROM_M rows at outputs of at least TMA_MIN_N columns the operand tiles are loaded by
+# From TMA_FROM_M rows at outputs of TMA_MIN_N to WIDE_N columns the operand tiles are loaded by
 # tensor descriptors (`matmul_triton.matmul_tma`): the same BLOCK_K walk and dot, so the same
 # bits (compared on the H200 for every shape below). H200, bf16, eager us, pointer table ->
 # TMA (128, 128, 8, 3) (docs/perf-notes.md, nineteenth session): q+k+v (K 2048, N 5120) at M =
 # 1024 / 4096 / 8192: 54.0 -> 47.3, 161.0 -> 127.9, 339.6 -> 263.8; o_proj (4096, 2048) at
-# 4096 / 8192: 125.9 -> 99.0, 255.1 -> 210.6; the lm_head at 1024: 1208 -> 992. Below, a call
-# is short enough that the descriptors' host cost shows (o_proj at M = 1024: 47.5 -> 68.7 in
-# the same timing, as the router's 128 columns at every M), so the pointer kernel stays.
+# 4096 / 8192: 125.9 -> 99.0, 255.1 -> 210.6. Below TMA_FROM_M a call is short enough that the
+# descriptors' host cost shows (o_proj at M = 1024: 47.5 -> 68.7 in the same timing, as the
+# router's 128 columns at every M). The lm_head (WIDE_N columns and more) stays on the pointer
+# kernel: TMA gained at M = 1024 (1208 -> 992) but lost in the one sample at 2048 (1921 ->
+# 2012), and no larger M was timed.
 TMA_FROM_M, TMA_MIN_N, TMA_TILES = 2048, 1024, (128, 128, 8, 3)
 
 
 def tma_tiles_for(m: int, n: int) -> tuple[int, int, int, int] | None:
     """The TMA launch's (BLOCK_M, BLOCK_N, num_warps, num_stages) for an (m, K) @ (K, n)
     product, or None where the pointer kernel (`tiles_for`) runs."""
-    return TMA_TILES if m >= TMA_FROM_M and n >= TMA_MIN_N else None
+    return TMA_TILES if m >= TMA_FROM_M and TMA_MIN_N <= n < WIDE_N else None

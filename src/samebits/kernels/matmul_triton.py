@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from samebits.kernels.device_facts import compute_capability
+from samebits.kernels.device_facts import tma_compared
 from samebits.kernels.grid import cdiv
 from samebits.kernels.launch import fast_launch
 from samebits.kernels.matmul_tiles import tiles_for, tma_tiles_for
@@ -85,7 +85,7 @@ def matmul_kernel(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         acc += bias[None, :]
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
@@ -131,14 +131,18 @@ def matmul_tma_kernel(
         if HAS_BIAS:
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
             acc += bias[None, :]
-        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
 def tma_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `matmul_tma` takes a (M, K) @ b (K, N): 16-bit operands on compute capability
-    9.x and up, a row-major and b K-major or N-major, 16-byte aligned bases and row strides."""
-    if a.dtype not in (torch.bfloat16, torch.float16) or compute_capability(a.device)[0] < 9:
+    """Whether `matmul` may take `matmul_tma` for a (M, K) @ b (K, N): 16-bit operands on a
+    device where its bits were compared (`device_facts.tma_compared`), a row-major and b K-major
+    or N-major, 16-byte aligned bases and row strides, and no CUDA graph being captured (the
+    graphs keep the pointer kernel, whose capture is tested)."""
+    if a.dtype not in (torch.bfloat16, torch.float16) or not tma_compared(a.device):
+        return False
+    if torch.cuda.is_current_stream_capturing():
         return False
     if a.stride(1) != 1 or a.stride(0) % 8 or a.data_ptr() % 16 or b.data_ptr() % 16:
         return False
@@ -197,8 +201,9 @@ def matmul(
 
     Each row's bits are independent of M. a and b share one dtype (bf16, fp16, fp32).
     `tiles` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the fixed
-    configuration (`matmul_tiles.tiles_for`'s) for experiments (benchmarks/matmul_configs.py);
-    BLOCK_K never changes.
+    configuration (`matmul_tiles.tiles_for`'s) for experiments (benchmarks/matmul_configs.py)
+    and always runs the pointer kernel; without it large products take the TMA launch
+    (`matmul_tiles.tma_tiles_for`, `tma_fits`). BLOCK_K never changes.
     """
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"matmul needs (M, K) @ (K, N), got {tuple(a.shape)} @ {tuple(b.shape)}")
