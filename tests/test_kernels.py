@@ -383,3 +383,23 @@ def test_split_attention_merged_in_its_last_program_gives_the_combine_launchs_bi
     over 8 sequences of 1-4 chunks in shuffled pages, twice (the counters are put back to 0).
     Control: a stale ticket count, and no program of that sequence and kv head merges."""
     run_interpreted(_MERGE_LAST)
+
+
+def test_tma_runs_only_where_its_bits_were_compared(monkeypatch):
+    """`device_facts.tma_usable`, the one gate of the matmul's and the experts' TMA paths: NVIDIA
+    compute capability 9.x only (the H200 is where TMA tiles were compared with the pointer
+    loads), never on ROCm (which reports 9.x for other hardware), Blackwell or the CPU, and never
+    while a CUDA graph is being captured."""
+    from samebits.kernels import device_facts as df
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    for cc, want in (((9, 0), True), ((10, 0), False), ((8, 9), False)):
+        monkeypatch.setattr(df, "compute_capability", lambda d, cc=cc: cc)
+        assert df.tma_usable(cuda) is want, cc
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # a graph capture
+    assert not df.tma_usable(cuda)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert not df.tma_usable(cuda)
+    assert not df.tma_usable(torch.device("cpu"))

@@ -38,3 +38,10 @@ def tma_compared(device: torch.device) -> bool:
     NVIDIA compute capability 9.x (Hopper; the H200). ROCm reports 9.x for other hardware, and
     Blackwell's descriptors were not compared, so both keep the pointer loads."""
     return device.type == "cuda" and torch.version.hip is None and compute_capability(device)[0] == 9
+
+
+def tma_usable(device: torch.device) -> bool:
+    """Whether a launcher may load tiles by tensor descriptors on `device` now: `tma_compared`,
+    and no CUDA graph being captured on the current stream (the graphs keep the pointer loads,
+    whose capture is tested). The one gate of the matmul's and the experts' TMA paths."""
+    return tma_compared(device) and not torch.cuda.is_current_stream_capturing()

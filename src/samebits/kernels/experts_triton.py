@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from samebits.kernels.device_facts import shared_memory_per_block, tma_compared
+from samebits.kernels.device_facts import shared_memory_per_block, tma_usable
 from samebits.kernels.experts import route
 from samebits.kernels.experts_tiles import (
     BLOCK_K,
@@ -400,11 +400,11 @@ def _tma_choice(tma, pairs, gate_up, down) -> tuple[bool, bool]:
 
 def _tma_fits(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """Descriptors over the weights (and the intermediate): a device where their bits were
-    compared (`device_facts.tma_compared`; Triton's interpreter in development), contiguous
-    weights with 16-byte aligned bases and rows (H and I multiples of 8 at 16 bits), and no CUDA
-    graph being captured (the graphs keep the pointer loads, whose capture is tested)."""
+    compared and no graph capture (`device_facts.tma_usable`; Triton's interpreter in
+    development), contiguous weights with 16-byte aligned bases and rows (H and I multiples of 8
+    at 16 bits)."""
     return (
-        (_INTERPRET or (tma_compared(gate_up.device) and not torch.cuda.is_current_stream_capturing()))
+        (_INTERPRET or tma_usable(gate_up.device))
         and gate_up.is_contiguous()
         and down.is_contiguous()
         and gate_up.shape[2] % 8 == 0

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from samebits.kernels.device_facts import tma_compared
+from samebits.kernels.device_facts import tma_usable
 from samebits.kernels.grid import cdiv
 from samebits.kernels.launch import fast_launch
 from samebits.kernels.matmul_tiles import tiles_for, tma_tiles_for
@@ -137,12 +137,9 @@ def matmul_tma_kernel(
 
 def tma_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `matmul` may take `matmul_tma` for a (M, K) @ b (K, N): 16-bit operands on a
-    device where its bits were compared (`device_facts.tma_compared`), a row-major and b K-major
-    or N-major, 16-byte aligned bases and row strides, and no CUDA graph being captured (the
-    graphs keep the pointer kernel, whose capture is tested)."""
-    if a.dtype not in (torch.bfloat16, torch.float16) or not tma_compared(a.device):
-        return False
-    if torch.cuda.is_current_stream_capturing():
+    device where its bits were compared and no graph capture (`device_facts.tma_usable`), a
+    row-major and b K-major or N-major, 16-byte aligned bases and row strides."""
+    if a.dtype not in (torch.bfloat16, torch.float16) or not tma_usable(a.device):
         return False
     if a.stride(1) != 1 or a.stride(0) % 8 or a.data_ptr() % 16 or b.data_ptr() % 16:
         return False
