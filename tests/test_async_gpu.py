@@ -103,3 +103,81 @@ def test_control_graph_fed_a_stale_token_differs(path, monkeypatch):
 
     monkeypatch.setattr(DecodeGraphs, "run", stale)
     assert not _same(_run(path, True, plain, lens=(7, 13, 21))[0], sync)
+
+
+def _plain_admitting(vocab):
+    from samebits import SamplingParams
+
+    return [SamplingParams(max_tokens=m, seed=i, ignore_eos=True) for i, m in enumerate((9, 14, 6, 11, 8, 17))]
+
+
+@pytest.fixture
+def mixed_launches(monkeypatch):
+    """Counts eager steps launched ahead with rows whose ids are known on the host
+    (admissions, chunked prefills) beside rows fed by the previous step's samples."""
+    from samebits.engine.runner import ModelRunner
+
+    launch, count = ModelRunner.launch, [0]
+
+    def spy(self, batch, reqs, ahead=None):
+        count[0] += ahead is not None and -1 in ahead[0]
+        return launch(self, batch, reqs, ahead)
+
+    monkeypatch.setattr(ModelRunner, "launch", spy)
+    return count
+
+
+def test_eager_steps_run_ahead_with_admissions_give_the_synchronous_bits_on_cuda(path, mixed_launches):
+    """Eager steps launched ahead (admissions and prefills beside decode rows fed on the
+    device, their samples left on the device as a `Pending`): the synchronous bits."""
+    sync, _ = _run(path, False, _plain_admitting)
+    assert mixed_launches[0] == 0
+    got, llm = _run(path, True, _plain_admitting)
+    assert mixed_launches[0] > 0
+    assert _same(got, sync)
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_an_eager_step_launched_ahead_does_not_wait_for_the_step_before(path, monkeypatch):
+    """The host plans, fills and launches an eager step run ahead (pinned input copies, the
+    sample left on the device) while the device is still busy: before each such launch the
+    stream gets a ~0.5 s sleep, and after the launch returns the sleep must still be running.
+    Control, the reason: an eager step whose samples are read back at once (`sample`'s host
+    results) waits for the device, and the same check sees the sleep done."""
+    from samebits import LLM
+    from samebits.engine import runner as runner_mod
+    from samebits.engine.runner import ModelRunner
+    from samebits.engine.sampler import Pending, sample
+    from samebits.verify import make_prompts
+
+    llm = LLM(path, device="cuda", max_num_seqs=4, max_model_len=96, async_scheduling=True)
+    prompts = make_prompts((7, 13, 21, 30, 9, 17), llm.config.vocab_size, seed=2)
+    params = _plain_admitting(llm.config.vocab_size)
+    llm.generate(prompts, params, progress=False)  # every kernel compiled for these steps
+    launch = ModelRunner.launch
+
+    def checked(busy):
+        def spy(self, batch, reqs, ahead=None):
+            if ahead is None or -1 not in ahead[0]:
+                return launch(self, batch, reqs, ahead)
+            torch.cuda._sleep(10**9)  # the step before, still running (~0.5 s at ~2 GHz)
+            gate = torch.cuda.Event()
+            gate.record()
+            pending = launch(self, batch, reqs, ahead)
+            busy.append(not gate.query())
+            return pending
+
+        return spy
+
+    busy = []
+    monkeypatch.setattr(ModelRunner, "launch", checked(busy))
+    llm.generate(prompts, params, progress=False)
+    assert busy and all(busy)
+
+    waited = []
+    monkeypatch.setattr(ModelRunner, "launch", checked(waited))
+    monkeypatch.setattr(
+        runner_mod, "sample_pending", lambda logits, reqs: Pending.done(sample(logits, reqs), "cuda")
+    )
+    llm.generate(prompts, params, progress=False)
+    assert waited and not any(waited)

@@ -1,10 +1,11 @@
-"""Async scheduling: the decode step after this one is scheduled and launched before this
-one's samples are read (engine/core.py `EngineCore.step`). Every request must get exactly
-the tokens, log-probs, text and finish reasons the synchronous loop gives it; on the CPU the
-host waits for each step anyway, so these tests check the bookkeeping (input ids taken from
-the previous step's samples, output indices one ahead, rows of sequences that ended
-meanwhile dropped, blocks published later, preemptions and admissions left to the
-synchronous scheduler). The CUDA graphs' side is tests/test_gpu.py's."""
+"""Async scheduling: the step after this one is scheduled and launched before this one's
+samples are read (engine/core.py `EngineCore.step`). Every request must get exactly the
+tokens, log-probs, text and finish reasons the synchronous loop gives it; on the CPU the host
+waits for each step anyway, so these tests check the bookkeeping (decode rows' input ids taken
+from the previous step's samples, output indices one ahead, admissions and chunked prefills
+beside them, rows of sequences that ended meanwhile dropped, blocks published later,
+preemptions and rows with host sampling rules left to the synchronous scheduler). The CUDA
+side is tests/test_async_gpu.py's."""
 
 from __future__ import annotations
 
@@ -28,11 +29,13 @@ def tok_ckpt(tiny, tmp_path_factory):
 
 @pytest.fixture
 def ahead_launches(monkeypatch):
-    """Counts the steps launched ahead (the path under test must actually run)."""
-    launch, count = ModelRunner.launch, [0]
+    """Counts the steps launched ahead (the path under test must actually run): [all of
+    them, those with rows whose ids are known on the host (admissions, chunked prefills)]."""
+    launch, count = ModelRunner.launch, [0, 0]
 
     def spy(self, batch, reqs, ahead=None):
         count[0] += ahead is not None
+        count[1] += ahead is not None and -1 in ahead[0]
         return launch(self, batch, reqs, ahead)
 
     monkeypatch.setattr(ModelRunner, "launch", spy)
@@ -262,11 +265,12 @@ def test_a_failed_step_with_a_step_in_flight_leaves_a_clean_engine(tiny, monkeyp
     )
 
 
-def test_a_length_finish_admits_the_waiting_sequence_in_the_synchronous_step(tiny, monkeypatch):
+def test_a_length_finish_admits_the_waiting_sequence_in_the_step_planned_ahead(tiny, monkeypatch):
     """5 requests over 2 slots, ends by length only: the steps (which rows, which tokens) are
-    the synchronous loop's, one by one; a finish known ahead leaves the step to the
-    synchronous scheduler, which admits the next request at once. Control, the reason: with
-    stop tokens (unknown ahead) a dropped row and a one-step-later admission show up."""
+    the synchronous loop's, one by one; a finish known ahead frees its slot in the step
+    planned ahead, which admits the next request at once, as the synchronous loop does.
+    Control, the reason: with stop tokens (unknown ahead) a dropped row and a one-step-later
+    admission show up."""
 
     def steps_of(flag, params):
         llm = LLM(tiny, max_num_seqs=2, max_model_len=128, async_scheduling=flag)
@@ -288,3 +292,93 @@ def test_a_length_finish_admits_the_waiting_sequence_in_the_synchronous_step(tin
     assert steps_of(True, lengths) == steps_of(False, lengths)
     stops = [SamplingParams(max_tokens=40, seed=i, stop_token_ids=list(range(1, 384, 19))) for i in range(5)]
     assert steps_of(True, stops) != steps_of(False, stops)
+
+
+def _admitting(vocab: int):
+    """Plain rows (no host rules, so steps run ahead), n = 2 on a shared prompt, ends by
+    length and by stop tokens: waiting requests are admitted beside decoding ones."""
+    stops = list(range(1, vocab, 29))
+    return [
+        SamplingParams(max_tokens=m, seed=i, stop_token_ids=stops if i % 3 == 0 else None, n=1 + (i == 2))
+        for i, m in enumerate((9, 14, 6, 11, 8, 17, 5, 12))
+    ]
+
+
+@pytest.mark.parametrize("limits", [{}, {"max_num_batched_tokens": 16, "enable_prefix_caching": True}])
+def test_steps_run_ahead_admit_and_prefill_with_the_synchronous_bits(tiny, ahead_launches, limits):
+    """Steps launched ahead that admit waiting requests and go on with chunked prefills
+    (their ids known on the host) beside decode rows fed by the previous step's samples,
+    with prefix sharing: every request gets the synchronous tokens and bits."""
+
+    def run(flag):
+        llm = LLM(tiny, max_num_seqs=4, max_model_len=128, async_scheduling=flag, **limits)
+        prompts = make_prompts((30, 5, 47, 12, 9, 20, 16, 31), llm.config.vocab_size, seed=8)
+        return _outputs(llm, prompts, _admitting(llm.config.vocab_size)), llm
+
+    sync, _ = run(False)
+    assert ahead_launches == [0, 0]
+    got, llm = run(True)
+    assert ahead_launches[1] >= 4  # steps run ahead with known rows beside fed ones
+    assert _same(got, sync)
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_control_mixed_ahead_steps_fed_rotated_samples_give_other_tokens(tiny, monkeypatch):
+    """Control for the test above, for the reason it rests on: in a step run ahead with known
+    rows (admissions) beside fed ones, each fed row must read its own sequence's sample;
+    with the fed rows' sources rotated among themselves (the known rows left alone), the
+    outputs change."""
+    launch, rotated = ModelRunner.launch, [0]
+
+    def rotate(self, batch, reqs, ahead=None):
+        if ahead is not None and -1 in ahead[0]:
+            src = list(ahead[0])
+            fed = [i for i, s in enumerate(src) if s >= 0]
+            if len(fed) > 1:
+                rotated[0] += 1
+                for i, j in zip(fed, fed[1:] + fed[:1], strict=True):
+                    src[i] = ahead[0][j]
+            ahead = (src, ahead[1])
+        return launch(self, batch, reqs, ahead)
+
+    def run(flag):
+        llm = LLM(tiny, max_num_seqs=4, max_model_len=128, async_scheduling=flag)
+        prompts = make_prompts((30, 5, 47, 12, 9, 20, 16, 31), llm.config.vocab_size, seed=8)
+        return _outputs(llm, prompts, _admitting(llm.config.vocab_size))
+
+    sync = run(False)
+    monkeypatch.setattr(ModelRunner, "launch", rotate)
+    assert not _same(run(True), sync)
+    assert rotated[0] > 0
+
+
+def test_a_waiting_request_with_host_rules_is_admitted_by_a_synchronous_step(tiny, monkeypatch):
+    """A waiting request that asks for top log-probs (a host sampling rule) is not admitted by
+    a step run ahead: the step it joins is the synchronous scheduler's, at once (not after
+    every running request), and every request gets the synchronous bits."""
+
+    def run(flag):
+        llm = LLM(tiny, max_num_seqs=2, max_model_len=128, async_scheduling=flag)
+        prompts = make_prompts((9, 14, 6, 11), llm.config.vocab_size, seed=7)
+        params = [SamplingParams(max_tokens=m, ignore_eos=True, seed=i) for i, m in enumerate((4, 20, 9, 6))]
+        params[2] = SamplingParams(max_tokens=9, ignore_eos=True, seed=2, logprobs=2)
+        launch, joined = ModelRunner.launch, []
+
+        def spy(self, batch, reqs, ahead=None):
+            if any(c.seq.index == 2 and c.start == 0 for c in batch.chunks):
+                joined.append((ahead is None, [c.seq.index for c in batch.chunks]))
+            return launch(self, batch, reqs, ahead)
+
+        monkeypatch.setattr(ModelRunner, "launch", spy)
+        try:
+            outs = llm.generate(prompts, params, progress=False)
+        finally:
+            monkeypatch.undo()
+        return [(o.token_ids, o.logprobs, o.top_logprobs) for o in outs], joined
+
+    sync, joined_sync = run(False)
+    got, joined = run(True)
+    assert joined == joined_sync == [(True, [1, 2])]  # admitted beside request 1, synchronously
+    assert all(
+        a[0] == b[0] and torch.equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(got, sync, strict=True)
+    )

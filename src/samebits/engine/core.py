@@ -255,9 +255,10 @@ class EngineCore:
         """Schedule -> run -> postprocess one batch; -> the requests that gained tokens.
 
         Async scheduling (`EngineConfig.async_scheduling`): before this step's samples are
-        read, the next decode step is scheduled and launched with this step's samples as its
-        input ids on the device (`_launch_ahead`), so the host's bookkeeping overlaps the
-        device's work; the next call reads that step's samples. A row whose sequence ended
+        read, the next step is scheduled and launched with this step's samples as its decode
+        rows' input ids on the device (`_launch_ahead`; it may admit and prefill waiting
+        sequences too), so the host's bookkeeping overlaps the device's work; the next call
+        reads that step's samples. A row whose sequence ended
         meanwhile (a stop token or string, an abort) is dropped; the others get the bits they
         get without it, since every kernel is batch invariant and a row's randomness is its
         seed and output index only."""
@@ -289,24 +290,40 @@ class EngineCore:
         return out
 
     def _launch_ahead(self, batch, seqs: list[Seq], pending):
-        """Schedule and launch the decode step after `batch` (whose samples `pending` holds,
-        maybe not yet computed) -> (its batch, its sampled seqs, its Pending), or None where
-        only the synchronous scheduler can decide the next step (`Scheduler.plan_ahead`), a
-        row needs host sampling rules, or the cache lacks a block."""
-        sched = self.llm.scheduler
-        planned = sched.plan_ahead(batch)
-        if not planned:
+        """Schedule and launch the step after `batch` (whose samples `pending` holds, maybe
+        not yet computed) -> (its batch, its sampled seqs, its Pending), or None where only the
+        synchronous scheduler can decide the next step (`Scheduler.plan_ahead`), a row needs
+        host sampling rules (the first waiting sequence's included, where it would be
+        admitted), or the cache lacks a block. The step may admit waiting sequences and go on
+        with chunked prefills (their ids are known here) beside the decode rows fed by
+        `batch`'s samples on the device."""
+        llm, sched = self.llm, self.llm.scheduler
+        plan = sched.plan_ahead(batch)
+        if plan is None:
             return None
-        nxt = [c.seq for c in planned]
-        reqs = self.llm._sample_requests(nxt, ahead=1)
-        if needs_host_rules(reqs):
+        nxt = [c.seq for c in plan.chunks if c.samples]
+        if len(nxt) == plan.fed:  # (every decode step: all its rows one token ahead)
+            reqs = llm._sample_requests(nxt, ahead=1)
+        else:
+            reqs = [llm._sample_requests([c.seq], ahead=int(c.ahead))[0] for c in plan.chunks if c.samples]
+        if needs_host_rules(reqs) or (sched.admits_next(plan) and not self._runs_ahead(sched.waiting[0])):
             return None
-        ahead = sched.commit_ahead(planned)
+        running = len(plan.chunks)
+        ahead = sched.commit_ahead(plan, self._runs_ahead)  # (appends its admissions to plan.chunks)
         if ahead is None:
             return None
+        if len(ahead.chunks) > running:  # admitted rows, nothing pending
+            admitted = [c.seq for c in ahead.chunks[running:] if c.samples]
+            nxt += admitted
+            reqs += llm._sample_requests(admitted)
         row = {s.seq_id: i for i, s in enumerate(seqs)}
-        src = [row[s.seq_id] for s in nxt]
-        return ahead, nxt, self.llm.runner.launch(ahead, reqs, (src, pending.tokens))
+        src = [row[c.seq.seq_id] if c.ahead else -1 for c in ahead.chunks]
+        return ahead, nxt, llm.runner.launch(ahead, reqs, (src, pending.tokens))
+
+    def _runs_ahead(self, seq: Seq) -> bool:
+        """Whether a waiting sequence's first sample needs no host sampling rules, so that a
+        step launched ahead may admit it."""
+        return not needs_host_rules(self.llm._sample_requests([seq]))
 
     def _advance_watched(self, seqs: list[Seq], by_id: dict[int, tuple]) -> int:
         """`_advance` the watched samples among the sampled seqs, in batch order; -> how

@@ -12,13 +12,14 @@ from __future__ import annotations
 import torch
 
 from samebits.engine.cuda_graphs import DecodeGraphs
-from samebits.engine.sampler import Pending, SampleRequest, sample
+from samebits.engine.sampler import Pending, SampleRequest, sample_pending
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.model.attention import AttentionBatch
 from samebits.model.family import ModelFamily, Span
+from samebits.model.host_copy import to_device
 from samebits.numerics.profile import EXACT, Profile
 
-Ahead = tuple[list[int], torch.Tensor]  # (row of the previous step's samples per chunk, those samples)
+Ahead = tuple[list[int], torch.Tensor]  # (row of the previous step's samples per chunk or -1, those samples)
 
 
 class ModelRunner:
@@ -58,7 +59,9 @@ class ModelRunner:
     def prepare(
         self, batch: ScheduledBatch, ahead: Ahead | None = None
     ) -> tuple[torch.Tensor, AttentionBatch, list[int]]:
-        """-> input_ids [T], metadata, and the row in T of each chunk that samples."""
+        """-> input_ids [T], metadata, and the row in T of each chunk that samples. With
+        `ahead`, a chunk whose entry in src is >= 0 is one token whose id is tokens[src[i]]
+        (on the device: the previous step's samples); the other chunks' ids are known here."""
         chunks = batch.chunks
         meta = AttentionBatch.build(
             [c.seq.block_table for c in chunks],
@@ -67,16 +70,26 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
-        if ahead is not None:  # one-token decode chunks whose input ids are on the device
-            src, tokens = ahead
-            input_ids = tokens.index_select(0, torch.tensor(src, device=tokens.device)).to(self.device)
+        src = ahead[0] if ahead is not None else None
+        if src is not None and -1 not in src:  # every chunk a one-token decode fed on the device
+            input_ids = ahead[1].index_select(0, to_device(torch.tensor(src), ahead[1].device)).to(self.device)
             return input_ids, meta, list(range(len(chunks)))
-        ids, sample_rows = [], []
-        for c in chunks:
-            ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
+        ids, sample_rows, fed_rows, fed_src = [], [], [], []
+        for i, c in enumerate(chunks):
+            if src is not None and src[i] >= 0:
+                fed_rows.append(len(ids))
+                fed_src.append(src[i])
+                ids.append(0)  # (written below from the device)
+            else:
+                ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
             if c.samples:
                 sample_rows.append(len(ids) - 1)
-        return torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True), meta, sample_rows
+        input_ids = to_device(torch.tensor(ids, dtype=torch.long), self.device)
+        if fed_rows:
+            tokens = ahead[1]
+            fed = tokens.index_select(0, to_device(torch.tensor(fed_src), tokens.device)).to(self.device)
+            input_ids.index_copy_(0, to_device(torch.tensor(fed_rows), self.device), fed)
+        return input_ids, meta, sample_rows
 
     def run(self, batch: ScheduledBatch, reqs: list[SampleRequest]) -> list[tuple[int, float]]:
         """One forward; (token, log-prob) for each sampling chunk, in chunk order."""
@@ -86,20 +99,23 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, reqs: list[SampleRequest], ahead: Ahead | None = None) -> Pending:
         """Start one step -> its samples, a `Pending` (on CUDA graphs the host does not wait
         for the step: async scheduling prepares the next one meanwhile). `ahead` = (src,
-        tokens): a batch scheduled before its input ids were known (engine/core.py), every
-        chunk a one-token decode whose input id is tokens[src[i]], the previous step's
-        samples on the device."""
+        tokens): a batch scheduled before some of its input ids were known (engine/core.py):
+        a chunk with src[i] >= 0 is a one-token decode whose input id is tokens[src[i]], the
+        previous step's samples on the device; -1 marks a chunk whose ids are known here.
+        An eager step's samples are a `Pending` too: the host does not wait for the step."""
         spans = spans_of(batch)
         with self.profile.context():
             step = self.family.step_inputs(spans)  # {} for a plain token step (every decode step)
-            size = self.graphs.size_for(batch) if self.graphs is not None and not step else None
+            graphs = self.graphs is not None and not step and (ahead is None or -1 not in ahead[0])
+            size = self.graphs.size_for(batch) if graphs else None
             if size is not None:
                 return self.graphs.run(batch, size, reqs, self.family.positions(spans), ahead)
             hidden, sample_rows = self.forward(batch, spans, step, ahead)
             if not sample_rows:
                 return Pending.done([], self.device)
-            logits = self.model.compute_logits(hidden[sample_rows])  # [N, V]
-            return Pending.done(sample(logits, reqs), self.device)
+            rows = to_device(torch.tensor(sample_rows), hidden.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V]
+            return sample_pending(logits, reqs)
 
     def forward(
         self,
@@ -112,7 +128,7 @@ class ModelRunner:
         spans = spans_of(batch) if spans is None else spans
         step = self.family.step_inputs(spans) if step is None else step
         input_ids, meta, sample_rows = self.prepare(batch, ahead)
-        positions = self.family.positions(spans).to(self.device, non_blocking=True)  # [T] or [3, T]
+        positions = to_device(self.family.positions(spans), self.device)  # [T] or [3, T]
         return self.model(input_ids, positions, meta, self.kv_caches, **step), sample_rows
 
     # -- colocation: a trainer on the same device steps while the KV cache is released ------

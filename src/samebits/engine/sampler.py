@@ -20,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from samebits.model.host_copy import to_device
 from samebits.numerics.ops import race, reported_logprobs, sample_plain
 from samebits.requests import SamplingParams
 
@@ -92,11 +93,21 @@ def row_inputs(reqs: list[SampleRequest]) -> tuple[torch.Tensor, torch.Tensor, t
     return torch.from_numpy(temps), keys, torch.from_numpy(random_row)
 
 
+def sample_pending(logits: torch.Tensor, reqs: list[SampleRequest]) -> Pending:
+    """`sample`'s rows as a `Pending`: on CUDA, rows without host rules are sampled on the
+    device and the host does not wait for them here (an eager step under async scheduling,
+    engine/core.py); otherwise `sample`'s results."""
+    if logits.device.type != "cuda" or needs_host_rules(reqs):
+        return Pending.done(sample(logits, reqs), logits.device)
+    temps, keys, random_row = (to_device(t, logits.device) for t in row_inputs(reqs))
+    return Pending.copying(*sample_plain(logits, temps, keys, random_row))
+
+
 def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> list[tuple]:
     """logits [N, V] -> (token, float32 log-prob) per row, plus the top alternatives for rows
     that ask `logprobs=k`; one host sync for the batch (and one per such row)."""
     dev = logits.device
-    temps, keys, random_row = (t.to(dev, non_blocking=True) for t in row_inputs(reqs))
+    temps, keys, random_row = (to_device(t, dev) for t in row_inputs(reqs))
     if not needs_host_rules(reqs):
         tokens, chosen = sample_plain(logits, temps, keys, random_row)
         return list(zip(tokens.tolist(), chosen.tolist(), strict=True))

@@ -7,6 +7,7 @@ scheduler keeps no reference to a finished sequence.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from samebits.engine.block_manager import BlockManager
@@ -19,13 +20,14 @@ class ScheduledChunk:
     the step appends that token; read several times per row per step). A plain slotted class:
     one is built per row per step, and a dataclass's `__post_init__` adds a call (~0.07 us)."""
 
-    __slots__ = ("seq", "start", "num_tokens", "samples")
+    __slots__ = ("seq", "start", "num_tokens", "samples", "ahead")
 
     def __init__(self, seq: Sequence, start: int, num_tokens: int):
         self.seq = seq
         self.start = start
         self.num_tokens = num_tokens
         self.samples = start + num_tokens == len(seq.token_ids)
+        self.ahead = False  # its one token is the previous step's sample, not yet known here
 
     def __repr__(self) -> str:
         return f"ScheduledChunk(seq={self.seq!r}, start={self.start}, num_tokens={self.num_tokens})"
@@ -44,6 +46,20 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum([c.num_tokens for c in self.chunks])
+
+
+@dataclass
+class AheadPlan:
+    """`Scheduler.plan_ahead`'s running chunks of the next step, before `commit_ahead`:
+    `leaving` running sequences end by length at the step before; `budget` tokens are left;
+    `fed` chunks are one-token decodes of the step before's samples (`ScheduledChunk.ahead`);
+    the chunks in `grow` need blocks their sequences do not hold yet."""
+
+    chunks: list[ScheduledChunk]
+    leaving: int
+    budget: int
+    fed: int
+    grow: list[ScheduledChunk]
 
 
 class Scheduler:
@@ -140,43 +156,88 @@ class Scheduler:
             raise RuntimeError("scheduler could not place any sequence; raise num_blocks")
         return batch
 
-    def plan_ahead(self, prev: ScheduledBatch) -> list[ScheduledChunk] | None:
-        """The decode step after `prev`, planned while prev still runs and its samples are not
-        known here (async scheduling, engine/core.py): each of prev's sequences computes the
-        token prev samples for it and samples the one after. None unless prev decoded exactly
-        the running sequences, in order (leaving out those that ended since: a stop or an
-        abort), and no waiting sequence could be admitted now: those
-        steps are the synchronous `schedule`'s. A sequence whose pending sample ends it by
-        length is left out (or, with sequences waiting, the step is left to `schedule`, which
-        admits one in its slot at once); one that ends by a stop token is dropped from the step's results
-        when the engine learns it. Allocates nothing (`commit_ahead` does)."""
+    def plan_ahead(self, prev: ScheduledBatch) -> AheadPlan | None:
+        """The running sequences' chunks of the step after `prev`, planned while prev still
+        runs and its samples are not known here (async scheduling, engine/core.py), as
+        `schedule` would place them once prev is done: a sequence prev samples for computes
+        that sample (a one-token chunk whose input id is prev's sample on the device,
+        `ScheduledChunk.ahead`) and samples the one after; a chunked prefill goes on with its
+        next known tokens; each cut to the budget in running order. A sequence prev's sample
+        ends by length is left out (its slot counts free for `commit_ahead`'s admissions,
+        its blocks not until `postprocess` frees them); one a stop token ends keeps its row,
+        dropped from the step's results when the engine learns it. None where only the
+        synchronous `schedule` can decide: the running sequences are not the ones prev
+        computed, in order (leaving out those that ended since: a stop or an abort). Allocates
+        nothing (`commit_ahead` does)."""
         # (rows of sequences that ended while prev ran are dropped from prev's results: skip them)
-        chunks = [c for c in prev.chunks if c.seq.status is not SequenceStatus.FINISHED]
-        if len(chunks) != len(self.running) or (self.waiting and len(self.running) < self.max_num_seqs):
-            return None
-        planned = []
-        for c, seq in zip(chunks, self.running, strict=True):
-            if c.seq is not seq or c.num_tokens != 1 or not c.samples or c.start + 1 != len(seq.token_ids):
+        finished = SequenceStatus.FINISHED  # (a local: the enum's class attribute costs ~70 ns a row)
+        done = iter([c for c in prev.chunks if c.seq.status is not finished])
+        chunks, grow, leaving, fed, budget, block_size = (
+            [],
+            [],
+            0,
+            0,
+            self.max_num_batched_tokens,
+            self.blocks.block_size,
+        )
+        c = next(done, None)
+        for seq in self.running:
+            if c is not None and c.seq is seq:  # computed in prev: it goes on from prev's end
+                start, pending, end = c.start + c.num_tokens, c.samples, len(seq.token_ids)
+                c = next(done, None)
+                if pending:
+                    if start != end:
+                        return None  # (prev's sampled chunk must end at the last known token)
+                    end += 1
+                    if end >= seq.max_num_tokens:  # prev's sample ends it by length
+                        leaving += 1
+                        continue
+            elif c is not None or seq.num_computed_tokens >= len(seq.token_ids):
                 return None
-            if c.start + 2 < seq.max_num_tokens:  # prev's sample does not end it by length
-                chunk = ScheduledChunk(seq, c.start + 1, 1)
-                chunk.samples = True  # (its input token is prev's sample, not yet in token_ids)
-                planned.append(chunk)
-            elif self.waiting:  # it frees a slot a waiting sequence gets in the synchronous step
+            else:  # left out of prev by its budget: nothing pending
+                start, pending, end = seq.num_computed_tokens, False, len(seq.token_ids)
+            if budget == 0:
+                break  # (the rest of prev's chunks were cut by the budget too: none is misplaced)
+            if end - start > budget:
+                end = start + budget
+            chunk = ScheduledChunk(seq, start, end - start)
+            if pending:  # (its input token is prev's sample, not yet in token_ids)
+                chunk.samples = chunk.ahead = True
+                fed += 1
+            chunks.append(chunk)
+            if end > len(seq.block_table) * block_size:  # (a decode row needs one every block_size tokens)
+                grow.append(chunk)
+            budget -= end - start
+        else:
+            if c is not None:
                 return None
-        return planned
+        return AheadPlan(chunks, leaving, budget, fed, grow)
 
-    def commit_ahead(self, planned: list[ScheduledChunk]) -> ScheduledBatch | None:
-        """Allocate the blocks of `plan_ahead`'s chunks -> their batch; None (nothing allocated)
-        when the cache lacks a block: that step needs the synchronous `schedule` (a preemption).
-        Publishes nothing: a block the step fills holds a token not yet known here; the
-        engine publishes it once it is (`postprocess`)."""
+    def commit_ahead(self, plan: AheadPlan, admit: Callable[[Sequence], bool]) -> ScheduledBatch | None:
+        """Allocate the blocks of `plan_ahead`'s chunks and admit waiting sequences into the
+        budget and slots left, as `schedule` does, while `admit(seq)` allows (a sequence it
+        refuses waits for a synchronous step) -> the step's batch; None (nothing allocated)
+        when the cache lacks a block for the running chunks (that step needs the synchronous
+        `schedule`: a preemption) or the step would be empty. Publishes nothing for the
+        running chunks: a block a sampled token fills is not known here, and the engine
+        publishes every chunk's blocks once it is (`postprocess`); an admitted sequence's
+        known tokens are published as `schedule` publishes them."""
         bm = self.blocks
-        if not bm.can_allocate(sum(bm.blocks_needed(c.seq, c.start + 1) for c in planned)):
+        if plan.grow and not bm.can_allocate(
+            sum([bm.blocks_needed(c.seq, c.start + c.num_tokens) for c in plan.grow])
+        ):
             return None
-        for c in planned:
-            bm.allocate(c.seq, c.start + 1)
-        return ScheduledBatch(planned)
+        for c in plan.grow:
+            bm.allocate(c.seq, c.start + c.num_tokens)
+        batch = ScheduledBatch(plan.chunks)
+        self._admit_waiting(batch, plan.budget, plan.leaving, admit)
+        return batch if batch.chunks else None
+
+    def admits_next(self, plan: AheadPlan) -> bool:
+        """Whether `commit_ahead` would consider the first waiting sequence (budget and a slot
+        left): where the engine cannot run that sequence ahead, the step is left to `schedule`,
+        so that it is admitted now rather than after every running sequence."""
+        return bool(self.waiting) and plan.budget > 0 and len(self.running) - plan.leaving < self.max_num_seqs
 
     def _schedule_running(self, chunks: list[ScheduledChunk], budget: int) -> tuple[int, bool]:
         """-> (budget left, whether anything was preempted)."""
@@ -202,11 +263,21 @@ class Scheduler:
                 budget -= end - start
         return budget, preempted
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        """Admit FIFO; a waiting sequence holds no blocks, so it starts after its cached prefix."""
+    def _admit_waiting(
+        self,
+        batch: ScheduledBatch,
+        budget: int,
+        leaving: int = 0,
+        admit: Callable[[Sequence], bool] | None = None,
+    ) -> None:
+        """Admit FIFO; a waiting sequence holds no blocks, so it starts after its cached prefix.
+        `leaving`: running sequences that end before this step runs (their slots are free);
+        `admit`: a predicate a sequence must pass (admission stops at the first it refuses)."""
         bm = self.blocks
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) - leaving < self.max_num_seqs:
             seq = self.waiting[0]
+            if admit is not None and not admit(seq):
+                break
             hits = bm.cached_prefix(seq)  # [] without prefix sharing
             start = len(hits) * bm.block_size
             n = min(seq.num_tokens - start, budget)

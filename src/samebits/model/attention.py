@@ -26,6 +26,7 @@ from samebits.kernels.attention import (
     packed_attention_backward_ref,
     paged_attention_ref,
 )
+from samebits.model.host_copy import to_device
 from samebits.numerics.eager_op import EagerOp
 from samebits.numerics.registry import _lazy
 
@@ -88,8 +89,8 @@ class AttentionBatch:
         table = torch.tensor([[*t, *[0] * (pages - len(t))] for t in block_tables], dtype=torch.long)
         slots = table[seq, positions // block_size] * block_size + positions % block_size
         t = len(seq)
-        i64 = torch.cat([positions, slots]).to(device, non_blocking=True)
-        i32 = torch.cat([table.flatten(), qsl, lens, ends]).to(torch.int32).to(device, non_blocking=True)
+        i64 = to_device(torch.cat([positions, slots]), device)
+        i32 = to_device(torch.cat([table.flatten(), qsl, lens, ends]).to(torch.int32), device)
         tab, q_loc, q_lens, s_lens = i32.split([b * pages, b + 1, b, b])
         return cls(
             positions=i64[:t],
