@@ -4,6 +4,7 @@ fill) at a given batch.
 
     python benchmarks/host_loop.py                    # batches 1, 64, 256 on the tiny model
     python benchmarks/host_loop.py --batches 256 --context 1024
+    python benchmarks/host_loop.py --batches 64 --context 1024 --steps 1 --async-scheduling on
 
 The model step is replaced by a stub that returns one fixed (token, log-prob) per sampling
 row, after filling the decode graphs' static inputs from the batch as the CUDA runner does
@@ -15,6 +16,9 @@ the stub runner, postprocess, outputs), and the fill's share is printed beside i
 share spent in Python's garbage collector during those steps (`gc.callbacks`). The mean
 includes every collection that lands in a measured step: a full (generation 2) collection
 scans the whole heap and takes tens of ms here, so a run where one lands shows it.
+`--async-scheduling on` plans each step while the one before is (on a GPU) still running
+(`EngineCore._launch_ahead`); the `ahead` column counts the steps of the measured call
+launched that way, of all its steps (prefill steps included).
 """
 
 from __future__ import annotations
@@ -29,13 +33,16 @@ from samebits.engine.sampler import Pending
 from samebits.model.tiny import tiny_checkpoint_cache
 
 
-def measure(batch: int, context: int, steps: int) -> tuple[float, float, float, int]:
+def measure(batch: int, context: int, steps: int, ahead: bool = False) -> tuple[float, float, float, int, str]:
     """-> (ms per full-batch decode step, ms of it in the graph input fill, ms of it in the
-    garbage collector, such steps)."""
-    llm = LLM(tiny_checkpoint_cache(), max_num_seqs=batch, max_model_len=context + steps + 16)
+    garbage collector, such steps, "launched ahead / all steps")."""
+    llm = LLM(
+        tiny_checkpoint_cache(), max_num_seqs=batch, max_model_len=context + steps + 16, async_scheduling=ahead
+    )
     pages = -(-(context + steps + 16) // llm.engine.block_size)
     graphs = DecodeGraphs(llm.runner, graph_sizes(batch), pages, dummy_block=llm.block_manager.num_blocks)
     acc = {"full": False, "fill": 0.0, "step": 0.0, "n": 0, "in_step": False, "gc": 0.0, "gc_t0": 0.0}
+    acc.update(launches=0, ahead=0)
 
     def collected(phase, info):  # gc.callbacks: time in collections inside the counted steps
         if phase == "start":
@@ -44,7 +51,9 @@ def measure(batch: int, context: int, steps: int) -> tuple[float, float, float, 
             acc["gc"] += time.perf_counter() - acc["gc_t0"]
 
     def stub(b, reqs, ahead=None):  # the runner: the graphs' input fill, then one fixed sample per row
-        size = graphs.size_for(b)
+        acc["launches"] += 1
+        acc["ahead"] += ahead is not None
+        size = graphs.size_for(b) if ahead is None or -1 not in ahead[0] else None
         acc["full"] = size is not None and len(b.chunks) == batch
         if size is not None:
             t0 = time.perf_counter()
@@ -70,14 +79,15 @@ def measure(batch: int, context: int, steps: int) -> tuple[float, float, float, 
     prompts = [[(i * 31 + j) % 250 + 1 for j in range(context)] for i in range(batch)]
     params = SamplingParams(max_tokens=steps, ignore_eos=True, seed=1, detokenize=False)
     llm.generate(prompts, params, progress=False)  # warm-up
-    acc.update(fill=0.0, step=0.0, n=0, gc=0.0)
+    acc.update(fill=0.0, step=0.0, n=0, gc=0.0, launches=0, ahead=0)
     gc.callbacks.append(collected)
     try:
         llm.generate(prompts, params, progress=False)
     finally:
         gc.callbacks.remove(collected)
     n = max(acc["n"], 1)
-    return 1000 * acc["step"] / n, 1000 * acc["fill"] / n, 1000 * acc["gc"] / n, acc["n"]
+    ran = f"{acc['ahead']}/{acc['launches']}"
+    return 1000 * acc["step"] / n, 1000 * acc["fill"] / n, 1000 * acc["gc"] / n, acc["n"], ran
 
 
 def main() -> None:
@@ -85,11 +95,14 @@ def main() -> None:
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--context", type=int, default=16, help="prompt tokens (default 16)")
     p.add_argument("--steps", type=int, default=128, help="new tokens per request (default 128)")
+    p.add_argument(
+        "--async-scheduling", choices=("on", "off"), default="off", help="plan steps ahead (default off)"
+    )
     args = p.parse_args()
-    print(f"{'batch':>6} {'full steps':>10} {'ms/step':>8} {'fill ms':>8} {'gc ms':>8}")
+    print(f"{'batch':>6} {'full steps':>10} {'ms/step':>8} {'fill ms':>8} {'gc ms':>8} {'ahead':>9}")
     for b in (int(x) for x in args.batches.split(",")):
-        ms, fill_ms, gc_ms, n = measure(b, args.context, args.steps)
-        print(f"{b:>6} {n:>10} {ms:>8.3f} {fill_ms:>8.3f} {gc_ms:>8.3f}")
+        ms, fill_ms, gc_ms, n, ran = measure(b, args.context, args.steps, args.async_scheduling == "on")
+        print(f"{b:>6} {n:>10} {ms:>8.3f} {fill_ms:>8.3f} {gc_ms:>8.3f} {ran:>9}")
 
 
 if __name__ == "__main__":
