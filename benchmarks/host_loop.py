@@ -4,7 +4,8 @@ fill) at a given batch.
 
     python benchmarks/host_loop.py                    # batches 1, 64, 256 on the tiny model
     python benchmarks/host_loop.py --batches 256 --context 1024
-    python benchmarks/host_loop.py --batches 64 --context 1024 --steps 1 --async-scheduling on
+    python benchmarks/host_loop.py --batches 64 --context 1024 --steps 1 --async-scheduling on \
+        --prefix-caching off --max-num-batched-tokens 8192   # a prefill's steps: how many run ahead
 
 The model step is replaced by a stub that returns one fixed (token, log-prob) per sampling
 row, after filling the decode graphs' static inputs from the batch as the CUDA runner does
@@ -33,11 +34,12 @@ from samebits.engine.sampler import Pending
 from samebits.model.tiny import tiny_checkpoint_cache
 
 
-def measure(batch: int, context: int, steps: int, ahead: bool = False) -> tuple[float, float, float, int, str]:
+def measure(batch: int, context: int, steps: int, ahead: bool = False, **limits) -> tuple:
     """-> (ms per full-batch decode step, ms of it in the graph input fill, ms of it in the
-    garbage collector, such steps, "launched ahead / all steps")."""
+    garbage collector, such steps, "launched ahead / all steps"); `limits`: more `LLM` options."""
+    length = context + steps + 16
     llm = LLM(
-        tiny_checkpoint_cache(), max_num_seqs=batch, max_model_len=context + steps + 16, async_scheduling=ahead
+        tiny_checkpoint_cache(), max_num_seqs=batch, max_model_len=length, async_scheduling=ahead, **limits
     )
     pages = -(-(context + steps + 16) // llm.engine.block_size)
     graphs = DecodeGraphs(llm.runner, graph_sizes(batch), pages, dummy_block=llm.block_manager.num_blocks)
@@ -98,10 +100,21 @@ def main() -> None:
     p.add_argument(
         "--async-scheduling", choices=("on", "off"), default="off", help="plan steps ahead (default off)"
     )
+    p.add_argument(
+        "--prefix-caching",
+        choices=("on", "off"),
+        default="on",
+        help="prefix sharing (default on; off: the measured call computes every prompt the warm-up did)",
+    )
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="the step budget (the engine's)")
     args = p.parse_args()
+    limits = {"enable_prefix_caching": args.prefix_caching == "on"}
+    if args.max_num_batched_tokens:
+        limits["max_num_batched_tokens"] = args.max_num_batched_tokens
     print(f"{'batch':>6} {'full steps':>10} {'ms/step':>8} {'fill ms':>8} {'gc ms':>8} {'ahead':>9}")
     for b in (int(x) for x in args.batches.split(",")):
-        ms, fill_ms, gc_ms, n, ran = measure(b, args.context, args.steps, args.async_scheduling == "on")
+        ahead = args.async_scheduling == "on"
+        ms, fill_ms, gc_ms, n, ran = measure(b, args.context, args.steps, ahead, **limits)
         print(f"{b:>6} {n:>10} {ms:>8.3f} {fill_ms:>8.3f} {gc_ms:>8.3f} {ran:>9}")
 
 
