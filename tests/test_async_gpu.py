@@ -18,12 +18,18 @@ def path(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("async_gpu") / "t", seed=4)
 
 
-def _run(path, flag, params_of, lens=(7, 13, 21, 30, 9, 17), num_blocks=None):
+def _run(path, flag, params_of, lens=(7, 13, 21, 30, 9, 17), num_blocks=None, **limits):
     from samebits import LLM
     from samebits.verify import make_prompts
 
     llm = LLM(
-        path, device="cuda", max_num_seqs=4, max_model_len=96, async_scheduling=flag, num_blocks=num_blocks
+        path,
+        device="cuda",
+        max_num_seqs=4,
+        max_model_len=96,
+        async_scheduling=flag,
+        num_blocks=num_blocks,
+        **limits,
     )
     prompts = make_prompts(lens, llm.config.vocab_size, seed=2)
     outs = llm.generate(prompts, params_of(llm.config.vocab_size), progress=False)
@@ -127,15 +133,42 @@ def mixed_launches(monkeypatch):
     return count
 
 
-def test_eager_steps_run_ahead_with_admissions_give_the_synchronous_bits_on_cuda(path, mixed_launches):
-    """Eager steps launched ahead (admissions and prefills beside decode rows fed on the
-    device, their samples left on the device as a `Pending`): the synchronous bits."""
-    sync, _ = _run(path, False, _plain_admitting)
+@pytest.mark.parametrize("limits", [{}, {"max_num_batched_tokens": 16}])
+def test_eager_steps_run_ahead_with_admissions_give_the_synchronous_bits_on_cuda(path, mixed_launches, limits):
+    """Eager steps launched ahead (admissions, and with a 16-token budget chunked prefills,
+    beside decode rows fed on the device, their samples left on the device as a `Pending`):
+    the synchronous bits."""
+    sync, _ = _run(path, False, _plain_admitting, **limits)
     assert mixed_launches[0] == 0
-    got, llm = _run(path, True, _plain_admitting)
+    got, llm = _run(path, True, _plain_admitting, **limits)
     assert mixed_launches[0] > 0
     assert _same(got, sync)
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_control_eager_steps_fed_rotated_samples_differ_on_cuda(path, monkeypatch):
+    """Control for the test above, for the reason it rests on: each fed row of an eager step
+    run ahead must read its own sequence's sample on the device; with the fed rows' sources
+    rotated among themselves (the known rows left alone) the outputs change."""
+    from samebits.engine.runner import ModelRunner
+
+    launch, rotated = ModelRunner.launch, [0]
+
+    def rotate(self, batch, reqs, ahead=None):
+        if ahead is not None and -1 in ahead[0]:
+            src = list(ahead[0])
+            fed = [i for i, s in enumerate(src) if s >= 0]
+            if len(fed) > 1:
+                rotated[0] += 1
+                for i, j in zip(fed, fed[1:] + fed[:1], strict=True):
+                    src[i] = ahead[0][j]
+            ahead = (src, ahead[1])
+        return launch(self, batch, reqs, ahead)
+
+    sync, _ = _run(path, False, _plain_admitting)
+    monkeypatch.setattr(ModelRunner, "launch", rotate)
+    assert not _same(_run(path, True, _plain_admitting)[0], sync)
+    assert rotated[0] > 0
 
 
 def test_an_eager_step_launched_ahead_does_not_wait_for_the_step_before(path, monkeypatch):

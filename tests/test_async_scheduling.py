@@ -10,6 +10,7 @@ side is tests/test_async_gpu.py's."""
 from __future__ import annotations
 
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -315,12 +316,15 @@ def test_steps_run_ahead_admit_and_prefill_with_the_synchronous_bits(tiny, ahead
         prompts = make_prompts((30, 5, 47, 12, 9, 20, 16, 31), llm.config.vocab_size, seed=8)
         return _outputs(llm, prompts, _admitting(llm.config.vocab_size)), llm
 
-    sync, _ = run(False)
+    sync, sync_llm = run(False)
     assert ahead_launches == [0, 0]
     got, llm = run(True)
     assert ahead_launches[1] >= 4  # steps run ahead with known rows beside fed ones
     assert _same(got, sync)
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    # the n samples of a chunked prompt prefill it once either way (a chunk run ahead publishes
+    # its blocks before that step's admissions, as the synchronous step does)
+    assert llm.core.stats.prefix_cache_hits == sync_llm.core.stats.prefix_cache_hits
 
 
 def test_control_mixed_ahead_steps_fed_rotated_samples_give_other_tokens(tiny, monkeypatch):
@@ -382,3 +386,20 @@ def test_a_waiting_request_with_host_rules_is_admitted_by_a_synchronous_step(tin
     assert all(
         a[0] == b[0] and torch.equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(got, sync, strict=True)
     )
+
+
+def test_steps_with_known_rows_beside_fed_ones_never_replay_a_graph(tiny):
+    """A graph gathers every row's input id from the previous step's samples, so a step run
+    ahead with a row whose ids are known on the host (an admitted one-token prompt beside a
+    decode row: every chunk one token, which `DecodeGraphs.size_for` accepts) must run
+    eagerly; an all-fed step, or one with nothing fed, takes the graph's size (the control:
+    the same stand-in graphs answer 1 there)."""
+    llm = LLM(tiny, max_num_seqs=2, max_model_len=64)
+    runner = llm.runner
+    runner.graphs = SimpleNamespace(size_for=lambda batch: 1)  # a stand-in: CUDA graphs on the CPU
+    tokens = torch.tensor([7, 9])
+    assert runner.graph_size(None, {}, ([1, -1], tokens)) is None
+    assert runner.graph_size(None, {}, ([-1, 0], tokens)) is None
+    assert runner.graph_size(None, {}, ([1, 0], tokens)) == 1
+    assert runner.graph_size(None, {}, None) == 1
+    assert runner.graph_size(None, {"multimodal": object()}, None) is None

@@ -33,7 +33,8 @@ def _check_batch(sched, batch):
         assert c.start == c.seq.num_computed_tokens and c.num_tokens >= 1
         assert len(c.seq.block_table) * bm.block_size >= c.start + c.num_tokens
     held = [b for s in sched.running for b in s.block_table]
-    assert len(held) == len(set(held)) and len(held) + bm.num_free_blocks == bm.num_blocks
+    assert len(set(held)) + bm.num_free_blocks == bm.num_blocks
+    assert bm.enable_prefix_caching or len(held) == len(set(held))  # (only prefix sharing shares)
 
 
 def _drive(sched, token=_token, max_steps=10_000):
@@ -250,29 +251,37 @@ def _drive_ahead(sched, token=_token, max_steps=10_000):
     raise AssertionError("scheduler did not finish")
 
 
-def _workload(max_num_seqs=3, budget=16, num_blocks=64):
-    """7 requests over 3 slots, prompts longer than the budget (chunked prefill) and not,
-    lengths that end between and on block edges: the steps run ahead admit and prefill."""
-    sched = Scheduler(max_num_seqs, budget, BlockManager(num_blocks, 4))
-    for i, (n, m) in enumerate(((5, 7), (23, 4), (3, 12), (40, 6), (9, 1), (16, 9), (2, 15))):
+def _workload(max_num_seqs=3, budget=16, num_blocks=64, prefix=False):
+    """8 requests over 3 slots, prompts longer than the budget (chunked prefill) and not,
+    lengths that end between and on block edges: the steps run ahead admit and prefill.
+    Two pairs share a prompt (`_seq`'s prompt is a function of its length): with `prefix`
+    sharing the second of a pair hits the first's blocks."""
+    sched = Scheduler(max_num_seqs, budget, BlockManager(num_blocks, 4, enable_prefix_caching=prefix))
+    for i, (n, m) in enumerate(((5, 7), (23, 4), (23, 3), (3, 12), (40, 6), (40, 5), (9, 1), (16, 9))):
         sched.add(_seq(i, n, max_tokens=m, ignore_eos=True))
     return sched
 
 
-def test_steps_planned_ahead_are_the_synchronous_steps_with_admissions_and_chunked_prefill():
+@pytest.mark.parametrize("prefix", [False, True])
+def test_steps_planned_ahead_are_the_synchronous_steps_with_admissions_and_chunked_prefill(prefix):
     """With no stop tokens (every end known ahead, by length) and blocks to spare, the
     steps planned before the step before them is postprocessed are the synchronous ones,
     step by step: the same chunks, admissions into the slots a length finish frees, prefills
-    cut to the budget and continued. Control, the reason: the ahead planner with the slots
-    of finishing sequences not counted free admits later, and the steps differ."""
-    steps = _drive(_workload())
-    got, ahead, admitting = _drive_ahead(_workload())
+    cut to the budget and continued, and with prefix sharing the same cache hits (a chunk
+    planned ahead publishes its known blocks before the step's admissions). Control, the
+    reason: the ahead planner with the slots of finishing sequences not counted free admits
+    later, and the steps differ."""
+    steps = _drive(_workload(prefix=prefix))
+    got, ahead, admitting = _drive_ahead(_workload(prefix=prefix))
     assert got == steps
+    if prefix:  # shared prompts were computed once: fewer tokens than without sharing
+        computed = sum(n for step in steps for _, _, n in step)
+        assert computed < sum(n for step in _drive(_workload()) for _, _, n in step)
     assert ahead >= len(steps) - 2 and admitting >= 4  # nearly every step ran ahead, admitting too
     chunked = [s for s in steps if any(n > 1 and start > 0 for _, start, n in s)]
     assert chunked  # a prefill went on in later chunks
 
-    sched = _workload()
+    sched = _workload(prefix=prefix)
     plan_ahead = sched.plan_ahead
 
     def without_free_slots(prev):

@@ -106,8 +106,7 @@ class ModelRunner:
         spans = spans_of(batch)
         with self.profile.context():
             step = self.family.step_inputs(spans)  # {} for a plain token step (every decode step)
-            graphs = self.graphs is not None and not step and (ahead is None or -1 not in ahead[0])
-            size = self.graphs.size_for(batch) if graphs else None
+            size = self.graph_size(batch, step, ahead)
             if size is not None:
                 return self.graphs.run(batch, size, reqs, self.family.positions(spans), ahead)
             hidden, sample_rows = self.forward(batch, spans, step, ahead)
@@ -116,6 +115,14 @@ class ModelRunner:
             rows = to_device(torch.tensor(sample_rows), hidden.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V]
             return sample_pending(logits, reqs)
+
+    def graph_size(self, batch: ScheduledBatch, step: dict, ahead: Ahead | None) -> int | None:
+        """The captured size a step replays (`DecodeGraphs.size_for`), or None to run it eagerly:
+        no graphs, family step inputs, or rows whose ids are known here beside rows fed on the
+        device (the graphs gather every row's id from the previous step's samples)."""
+        if self.graphs is None or step or (ahead is not None and -1 in ahead[0]):
+            return None
+        return self.graphs.size_for(batch)
 
     def forward(
         self,

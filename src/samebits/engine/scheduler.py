@@ -218,10 +218,10 @@ class Scheduler:
         budget and slots left, as `schedule` does, while `admit(seq)` allows (a sequence it
         refuses waits for a synchronous step) -> the step's batch; None (nothing allocated)
         when the cache lacks a block for the running chunks (that step needs the synchronous
-        `schedule`: a preemption) or the step would be empty. Publishes nothing for the
-        running chunks: a block a sampled token fills is not known here, and the engine
-        publishes every chunk's blocks once it is (`postprocess`); an admitted sequence's
-        known tokens are published as `schedule` publishes them."""
+        `schedule`: a preemption) or the step would be empty. Publishes the blocks of chunks
+        whose ids are known here (chunked prefills, admissions) as `schedule` does, and none
+        that a fed row fills: its token is not known here, and the engine publishes those
+        once it is (`postprocess`)."""
         bm = self.blocks
         if plan.grow and not bm.can_allocate(
             sum([bm.blocks_needed(c.seq, c.start + c.num_tokens) for c in plan.grow])
@@ -229,6 +229,10 @@ class Scheduler:
             return None
         for c in plan.grow:
             bm.allocate(c.seq, c.start + c.num_tokens)
+        if len(plan.chunks) > plan.fed and bm.enable_prefix_caching:  # chunked prefills: ids known here,
+            for c in plan.chunks:  # published before the admissions, as `schedule` does, so that
+                if not c.ahead:  # the n samples of a request admitted now hit their prompt's blocks
+                    bm.publish(c.seq, c.start + c.num_tokens)
         batch = ScheduledBatch(plan.chunks)
         self._admit_waiting(batch, plan.budget, plan.leaving, admit)
         return batch if batch.chunks else None

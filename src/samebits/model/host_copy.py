@@ -1,10 +1,10 @@
 """Host -> device copies that never wait for the device.
 
-A `non_blocking` copy from pageable host memory still waits for the stream (CUDA stages it
-through its own buffer once the stream reaches it), so a step built while the step before
-runs (async scheduling, engine/core.py) would wait for that step at its first input copy.
-From pinned memory the copy is queued and the host goes on; PyTorch's caching host
-allocator keeps the pinned block until the copy is done.
+A copy from pageable host memory goes through the driver's own staging: a plain `copy_`
+waits for the stream (the step in flight, under async scheduling, engine/core.py), and a
+`non_blocking` one may still block the host while it stages. From pinned memory the copy is
+queued behind the stream's work and the host goes on; PyTorch's caching host allocator keeps
+the pinned block until the copy is done.
 """
 
 from __future__ import annotations
