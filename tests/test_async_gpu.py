@@ -76,12 +76,35 @@ def graph_runs(monkeypatch):
     return count
 
 
-def test_async_scheduling_on_cuda_graphs_gives_the_synchronous_bits(path, graph_runs):
-    sync, _ = _run(path, False, _mixed)
+def _narrowed(vocab):
+    """top-k, top-p and min_tokens rows: sampled by the per-row device path after the replay."""
+    from samebits import SamplingParams
+
+    stops = list(range(1, vocab, 9))
+    return [
+        SamplingParams(
+            max_tokens=m,
+            seed=i,
+            top_k=40 if i % 2 else -1,
+            top_p=0.9 if i % 3 else 1.0,
+            min_tokens=3,
+            stop_token_ids=stops,
+        )
+        for i, m in enumerate((30, 12, 40, 25, 7, 33))
+    ]
+
+
+@pytest.mark.parametrize("params_of", [_mixed, _narrowed])
+def test_async_scheduling_on_cuda_graphs_gives_the_synchronous_bits(path, graph_runs, params_of):
+    """Graph replays launched ahead, the rows' samples left on the device (with top-k, top-p
+    and banned tokens too: the per-row path's device ops queued before the next replay)."""
+    sync, _ = _run(path, False, params_of)
     assert graph_runs[0] == 0
-    got, llm = _run(path, True, _mixed)
+    got, llm = _run(path, True, params_of)
     assert graph_runs[0] > 20  # most decode steps were graph replays launched ahead
     assert _same(got, sync)
+    if params_of is _narrowed:
+        return
     assert {x[2] for r in sync for x in r} == {"stop", "length"}
     small_sync, _ = _run(path, False, _mixed, num_blocks=10)  # preemptions: left to the sync path
     small, small_llm = _run(path, True, _mixed, num_blocks=10)

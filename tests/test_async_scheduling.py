@@ -3,9 +3,9 @@ samples are read (engine/core.py `EngineCore.step`). Every request must get exac
 tokens, log-probs, text and finish reasons the synchronous loop gives it; on the CPU the host
 waits for each step anyway, so these tests check the bookkeeping (decode rows' input ids taken
 from the previous step's samples, output indices one ahead, admissions and chunked prefills
-beside them, rows of sequences that ended meanwhile dropped, blocks published later,
-preemptions and rows with host sampling rules left to the synchronous scheduler). The CUDA
-side is tests/test_async_gpu.py's."""
+beside them, rows with banned tokens or top-k/top-p, rows of sequences that ended meanwhile
+dropped, blocks published later, preemptions and rows asking for top log-probs left to the
+synchronous scheduler). The CUDA side is tests/test_async_gpu.py's."""
 
 from __future__ import annotations
 
@@ -403,3 +403,45 @@ def test_steps_with_known_rows_beside_fed_ones_never_replay_a_graph(tiny):
     assert runner.graph_size(None, {}, ([1, 0], tokens)) == 1
     assert runner.graph_size(None, {}, None) == 1
     assert runner.graph_size(None, {"multimodal": object()}, None) is None
+
+
+def test_rows_with_banned_tokens_and_top_k_top_p_run_ahead_with_the_synchronous_bits(tiny, monkeypatch):
+    """Rows whose sampling narrows the distribution (top-k, top-p, min_tokens banning the stop
+    tokens and eos) are sampled by device ops, so their steps run ahead too (one output index
+    ahead: the banned list follows it), with the synchronous tokens and bits. Control, the
+    reason: with the steps run ahead told one output index less (their noise keys and
+    min_tokens' bans one token behind), the outputs change."""
+    from samebits.engine.llm import LLM as LLMClass
+
+    stops = list(range(1, 384, 9))  # a ninth of the vocabulary: stops fire after min_tokens
+
+    def params(i):
+        return SamplingParams(max_tokens=12, seed=i, top_k=40 if i % 2 else -1, top_p=0.9 if i % 3 else 1.0,
+                              min_tokens=4, stop_token_ids=stops)  # fmt: skip
+
+    def run(flag):
+        llm = LLM(tiny, max_num_seqs=4, max_model_len=128, async_scheduling=flag)
+        prompts = make_prompts((9, 14, 6, 11, 8, 17), llm.config.vocab_size, seed=3)
+        launch, ahead = ModelRunner.launch, [0]
+
+        def spy(self, batch, reqs, fed=None):
+            ahead[0] += fed is not None and any(r.banned or r.params.top_k != -1 for r in reqs)
+            return launch(self, batch, reqs, fed)
+
+        monkeypatch.setattr(ModelRunner, "launch", spy)
+        try:
+            outs = _outputs(llm, prompts, [params(i) for i in range(6)])
+        finally:
+            monkeypatch.undo()
+        return outs, ahead[0]
+
+    sync, _ = run(False)
+    got, ahead = run(True)
+    assert ahead > 10  # steps with narrowed rows ran ahead
+    assert _same(got, sync)
+    assert {x[3] for r in sync for x in r} == {"stop", "length"}
+    requests = LLMClass._sample_requests
+    monkeypatch.setattr(
+        LLMClass, "_sample_requests", lambda self, seqs, ahead=0: requests(self, seqs, max(ahead - 1, 0))
+    )
+    assert not _same(run(True)[0], sync)

@@ -19,7 +19,14 @@ import weakref
 import numpy as np
 import torch
 
-from samebits.engine.sampler import Pending, SampleRequest, needs_host_rules, row_inputs, sample, sample_plain
+from samebits.engine.sampler import (
+    Pending,
+    SampleRequest,
+    needs_host_rules,
+    row_inputs,
+    sample_pending,
+    sample_plain,
+)
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.model.attention import AttentionBatch
 
@@ -78,8 +85,8 @@ class DecodeGraphs:
             self.graphs[size] = self._capture(size)
         graph, (logits, tokens, chosen) = self.graphs[size]
         graph.replay()
-        if needs_host_rules(reqs):  # banned tokens or top-k/top-p: the per-row path on the logits
-            return Pending.done(sample(logits[:n], reqs), logits.device)
+        if needs_host_rules(reqs):  # banned tokens, top-k/top-p, top log-probs: the per-row path
+            return sample_pending(logits[:n], reqs)  # (on the logits, queued before the next replay)
         return Pending.copying(tokens[:n], chosen[:n])
 
     def _meta(self, size: int) -> AttentionBatch:

@@ -93,40 +93,57 @@ def row_inputs(reqs: list[SampleRequest]) -> tuple[torch.Tensor, torch.Tensor, t
     return torch.from_numpy(temps), keys, torch.from_numpy(random_row)
 
 
+def needs_readback(reqs: list[SampleRequest]) -> bool:
+    """Whether some row asks for top log-probs: host lists built from the step's log-softmax
+    rows, so its results are read back at once (`sample`), not left on the device."""
+    return any(r.params.logprobs for r in reqs)
+
+
 def sample_pending(logits: torch.Tensor, reqs: list[SampleRequest]) -> Pending:
-    """`sample`'s rows as a `Pending`: on CUDA, rows without host rules are sampled on the
-    device and the host does not wait for them here (an eager step under async scheduling,
-    engine/core.py); otherwise `sample`'s results."""
-    if logits.device.type != "cuda" or needs_host_rules(reqs):
+    """`sample`'s rows as a `Pending`: on CUDA the rows are sampled by device ops only (banned
+    tokens and top-k/top-p included: their per-row narrowing is device ops too) and the host
+    does not wait for them here (a step under async scheduling, engine/core.py); rows that
+    ask for top log-probs, and the CPU, get `sample`'s results at once."""
+    if logits.device.type != "cuda" or needs_readback(reqs):
         return Pending.done(sample(logits, reqs), logits.device)
     temps, keys, random_row = (to_device(t, logits.device) for t in row_inputs(reqs))
-    return Pending.copying(*sample_plain(logits, temps, keys, random_row))
+    if not needs_host_rules(reqs):
+        return Pending.copying(*sample_plain(logits, temps, keys, random_row))
+    return Pending.copying(*_sample_with_rules(logits, reqs, temps, keys, random_row)[:2])
 
 
 def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> list[tuple]:
     """logits [N, V] -> (token, float32 log-prob) per row, plus the top alternatives for rows
     that ask `logprobs=k`; one host sync for the batch (and one per such row)."""
-    dev = logits.device
-    temps, keys, random_row = (to_device(t, dev) for t in row_inputs(reqs))
+    temps, keys, random_row = (to_device(t, logits.device) for t in row_inputs(reqs))
     if not needs_host_rules(reqs):
         tokens, chosen = sample_plain(logits, temps, keys, random_row)
         return list(zip(tokens.tolist(), chosen.tolist(), strict=True))
-    lps = reported_logprobs(logits, temps)  # [N, V] float32
-    probs = lps.exp()
-    scores = logits.float()  # greedy rows and the underflow fallback choose by logit
-    for i, req in enumerate(reqs):
-        if req.banned:
-            banned = torch.tensor(req.banned, device=dev)
-            probs[i, banned] = 0.0
-            scores[i, banned] = float("-inf")
-        if req.params.temperature > 0 and (req.params.top_k != -1 or req.params.top_p < 1.0):
-            probs[i] = _narrow(probs[i], req.params)
-    tokens, chosen = race(lps, probs, scores, keys, random_row)
+    tokens, chosen, lps = _sample_with_rules(logits, reqs, temps, keys, random_row)
     out = list(zip(tokens.tolist(), chosen.tolist(), strict=True))
     for i, req in enumerate(reqs):
         if req.params.logprobs:
             out[i] = (*out[i], top_logprobs(lps[i], req.params.logprobs))
     return out
+
+
+def _sample_with_rules(
+    logits: torch.Tensor, reqs: list[SampleRequest], temps, keys, random_row
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The race over each row's narrowed distribution (banned tokens, top-k/top-p), by device
+    ops -> (tokens [N], their reported log-probs [N], the log-softmax rows [N, V])."""
+    lps = reported_logprobs(logits, temps)  # [N, V] float32
+    probs = lps.exp()
+    scores = logits.float()  # greedy rows and the underflow fallback choose by logit
+    for i, req in enumerate(reqs):
+        if req.banned:
+            banned = to_device(torch.tensor(req.banned), logits.device)
+            probs[i, banned] = 0.0
+            scores[i, banned] = float("-inf")
+        if req.params.temperature > 0 and (req.params.top_k != -1 or req.params.top_p < 1.0):
+            probs[i] = _narrow(probs[i], req.params)
+    tokens, chosen = race(lps, probs, scores, keys, random_row)
+    return tokens, chosen, lps
 
 
 def top_logprobs(row: torch.Tensor, k: int) -> list[tuple[int, float]]:
