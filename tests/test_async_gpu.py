@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fed_rows import rotating_fed_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -33,12 +34,12 @@ def _run(path, flag, params_of, lens=(7, 13, 21, 30, 9, 17), num_blocks=None, **
     )
     prompts = make_prompts(lens, llm.config.vocab_size, seed=2)
     outs = llm.generate(prompts, params_of(llm.config.vocab_size), progress=False)
-    return [[(c.token_ids, c.logprobs, c.finish_reason) for c in o.outputs] for o in outs], llm
+    return [[(c.token_ids, c.logprobs, c.finish_reason, c.top_logprobs) for c in o.outputs] for o in outs], llm
 
 
 def _same(a, b) -> bool:
     return all(
-        x[0] == y[0] and torch.equal(x[1], y[1]) and x[2] == y[2]
+        x[0] == y[0] and torch.equal(x[1], y[1]) and x[2:] == y[2:]
         for ra, rb in zip(a, b, strict=True)
         for x, y in zip(ra, rb, strict=True)
     )
@@ -77,7 +78,8 @@ def graph_runs(monkeypatch):
 
 
 def _narrowed(vocab):
-    """top-k, top-p and min_tokens rows: sampled by the per-row device path after the replay."""
+    """top-k, top-p, min_tokens and top log-probs rows: sampled by the per-row device path
+    after the replay, the top log-probs copied back with the samples (`sampler.Tops`)."""
     from samebits import SamplingParams
 
     stops = list(range(1, vocab, 9))
@@ -89,6 +91,7 @@ def _narrowed(vocab):
             top_p=0.9 if i % 3 else 1.0,
             min_tokens=3,
             stop_token_ids=stops,
+            logprobs=2 if i in (1, 4) else None,
         )
         for i, m in enumerate((30, 12, 40, 25, 7, 33))
     ]
@@ -175,18 +178,8 @@ def test_control_eager_steps_fed_rotated_samples_differ_on_cuda(path, monkeypatc
     rotated among themselves (the known rows left alone) the outputs change."""
     from samebits.engine.runner import ModelRunner
 
-    launch, rotated = ModelRunner.launch, [0]
-
-    def rotate(self, batch, reqs, ahead=None):
-        if ahead is not None and -1 in ahead[0]:
-            src = list(ahead[0])
-            fed = [i for i, s in enumerate(src) if s >= 0]
-            if len(fed) > 1:
-                rotated[0] += 1
-                for i, j in zip(fed, fed[1:] + fed[:1], strict=True):
-                    src[i] = ahead[0][j]
-            ahead = (src, ahead[1])
-        return launch(self, batch, reqs, ahead)
+    rotated = [0]
+    rotate = rotating_fed_rows(ModelRunner.launch, rotated)
 
     sync, _ = _run(path, False, _plain_admitting)
     monkeypatch.setattr(ModelRunner, "launch", rotate)

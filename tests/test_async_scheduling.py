@@ -3,9 +3,9 @@ samples are read (engine/core.py `EngineCore.step`). Every request must get exac
 tokens, log-probs, text and finish reasons the synchronous loop gives it; on the CPU the host
 waits for each step anyway, so these tests check the bookkeeping (decode rows' input ids taken
 from the previous step's samples, output indices one ahead, admissions and chunked prefills
-beside them, rows with banned tokens or top-k/top-p, rows of sequences that ended meanwhile
-dropped, blocks published later, preemptions and rows asking for top log-probs left to the
-synchronous scheduler). The CUDA side is tests/test_async_gpu.py's."""
+beside them, rows with banned tokens, top-k/top-p or top log-probs, rows of sequences that
+ended meanwhile dropped, blocks published later, preemptions left to the synchronous
+scheduler). The CUDA side is tests/test_async_gpu.py's."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from fed_rows import rotating_fed_rows
 
 from samebits import LLM, SamplingParams
 from samebits.engine.runner import ModelRunner
@@ -332,18 +333,8 @@ def test_control_mixed_ahead_steps_fed_rotated_samples_give_other_tokens(tiny, m
     rows (admissions) beside fed ones, each fed row must read its own sequence's sample;
     with the fed rows' sources rotated among themselves (the known rows left alone), the
     outputs change."""
-    launch, rotated = ModelRunner.launch, [0]
-
-    def rotate(self, batch, reqs, ahead=None):
-        if ahead is not None and -1 in ahead[0]:
-            src = list(ahead[0])
-            fed = [i for i, s in enumerate(src) if s >= 0]
-            if len(fed) > 1:
-                rotated[0] += 1
-                for i, j in zip(fed, fed[1:] + fed[:1], strict=True):
-                    src[i] = ahead[0][j]
-            ahead = (src, ahead[1])
-        return launch(self, batch, reqs, ahead)
+    rotated = [0]
+    rotate = rotating_fed_rows(ModelRunner.launch, rotated)
 
     def run(flag):
         llm = LLM(tiny, max_num_seqs=4, max_model_len=128, async_scheduling=flag)
@@ -356,36 +347,49 @@ def test_control_mixed_ahead_steps_fed_rotated_samples_give_other_tokens(tiny, m
     assert rotated[0] > 0
 
 
-def test_a_waiting_request_with_host_rules_is_admitted_by_a_synchronous_step(tiny, monkeypatch):
-    """A waiting request that asks for top log-probs (a host sampling rule) is not admitted by
-    a step run ahead: the step it joins is the synchronous scheduler's, at once (not after
-    every running request), and every request gets the synchronous bits."""
+def test_requests_asking_for_top_logprobs_run_ahead_with_the_synchronous_tops(tiny, monkeypatch):
+    """Requests that ask for top log-probs (their lists stay on the device until the step is
+    read, `sampler.Tops`) are admitted and decoded by steps run ahead, in the same steps as
+    the synchronous loop, with its tokens, bits and top log-probs. Control, the reason: with
+    each step's lists handed to the rows in rotated order, the top log-probs differ."""
+    from samebits.engine.sampler import Tops
 
     def run(flag):
         llm = LLM(tiny, max_num_seqs=2, max_model_len=128, async_scheduling=flag)
         prompts = make_prompts((9, 14, 6, 11), llm.config.vocab_size, seed=7)
         params = [SamplingParams(max_tokens=m, ignore_eos=True, seed=i) for i, m in enumerate((4, 20, 9, 6))]
+        params[1] = SamplingParams(max_tokens=20, ignore_eos=True, seed=1, logprobs=3)
         params[2] = SamplingParams(max_tokens=9, ignore_eos=True, seed=2, logprobs=2)
-        launch, joined = ModelRunner.launch, []
+        launch, joined, ahead = ModelRunner.launch, [], [0]
 
-        def spy(self, batch, reqs, ahead=None):
+        def spy(self, batch, reqs, fed=None):
+            ahead[0] += fed is not None and any(r.params.logprobs for r in reqs)
             if any(c.seq.index == 2 and c.start == 0 for c in batch.chunks):
-                joined.append((ahead is None, [c.seq.index for c in batch.chunks]))
-            return launch(self, batch, reqs, ahead)
+                joined.append([c.seq.index for c in batch.chunks])
+            return launch(self, batch, reqs, fed)
 
         monkeypatch.setattr(ModelRunner, "launch", spy)
         try:
             outs = llm.generate(prompts, params, progress=False)
         finally:
-            monkeypatch.undo()
-        return [(o.token_ids, o.logprobs, o.top_logprobs) for o in outs], joined
+            monkeypatch.setattr(ModelRunner, "launch", launch)
+        return [(o.token_ids, o.logprobs, o.top_logprobs) for o in outs], joined, ahead[0]
 
-    sync, joined_sync = run(False)
-    got, joined = run(True)
-    assert joined == joined_sync == [(True, [1, 2])]  # admitted beside request 1, synchronously
-    assert all(
-        a[0] == b[0] and torch.equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(got, sync, strict=True)
-    )
+    sync, joined_sync, _ = run(False)
+    got, joined, ahead = run(True)
+    assert ahead > 10 and joined == joined_sync == [[1, 2]]  # admitted beside request 1 either way
+    assert sync[1][2] and sync[2][2]
+    same = [a[0] == b[0] and torch.equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(got, sync, strict=True)]
+    assert all(same)
+    lists = Tops.lists
+
+    def rotated(self, ids, logprobs):
+        out = lists(self, ids, logprobs)
+        rows = list(out)
+        return {r: out[rows[(j + 1) % len(rows)]] for j, r in enumerate(rows)}
+
+    monkeypatch.setattr(Tops, "lists", rotated)
+    assert [a[2] for a in run(True)[0]] != [b[2] for b in sync]
 
 
 def test_steps_with_known_rows_beside_fed_ones_never_replay_a_graph(tiny):

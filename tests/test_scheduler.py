@@ -244,7 +244,7 @@ def _drive_ahead(sched, token=_token, max_steps=10_000):
         plan = sched.plan_ahead(batch)
         if plan is not None:
             waiting = len(sched.waiting)
-            inflight = sched.commit_ahead(plan, lambda seq: True)
+            inflight = sched.commit_ahead(plan)
             ahead += inflight is not None
             admitting += inflight is not None and len(sched.waiting) < waiting
         sched.postprocess(batch, sampled)
@@ -311,18 +311,18 @@ def test_steps_planned_ahead_with_a_small_cache_fall_back_and_give_every_token()
     assert got == want and pre_sync > 0 and pre > 0
 
 
-def test_commit_ahead_stops_admitting_at_a_refused_sequence():
-    sched = Scheduler(4, 64, BlockManager(32, 4))
-    first = _seq(0, 5, max_tokens=8)
-    sched.add(first)
+def test_a_step_planned_ahead_feeds_the_decode_row_and_admits_into_the_budget_left():
+    sched = Scheduler(4, 12, BlockManager(32, 4))
+    sched.add(_seq(0, 5, max_tokens=8))
     batch = sched.schedule()
     sched.add(_seq(1, 6, max_tokens=8))
     sched.add(_seq(2, 7, max_tokens=8))
     plan = sched.plan_ahead(batch)
-    assert plan.fed == 1 and sched.admits_next(plan)
-    nxt = sched.commit_ahead(plan, lambda seq: seq.seq_id != 2)
-    assert [(c.seq.seq_id, c.start, c.num_tokens, c.ahead) for c in nxt.chunks] == [
-        (0, 5, 1, True),
-        (1, 0, 6, False),
+    assert (plan.fed, plan.budget, plan.leaving) == (1, 11, 0)
+    nxt = sched.commit_ahead(plan)
+    assert [(c.seq.seq_id, c.start, c.num_tokens, c.ahead, c.samples) for c in nxt.chunks] == [
+        (0, 5, 1, True, True),  # prev's sample, fed on the device; samples the one after
+        (1, 0, 6, False, True),
+        (2, 0, 5, False, False),  # cut to the budget left: its prefill goes on next step
     ]
-    assert [s.seq_id for s in sched.waiting] == [2]
+    assert not sched.waiting

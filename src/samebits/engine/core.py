@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import torch
 
 from samebits.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
-from samebits.engine.sampler import needs_readback
 from samebits.engine.sequence import Sequence as Seq
 from samebits.engine.validation import check_text
 from samebits.requests.sampling_params import SamplingParams, sample_seed
@@ -292,38 +291,23 @@ class EngineCore:
     def _launch_ahead(self, batch, seqs: list[Seq], pending):
         """Schedule and launch the step after `batch` (whose samples `pending` holds, maybe
         not yet computed) -> (its batch, its sampled seqs, its Pending), or None where only the
-        synchronous scheduler can decide the next step (`Scheduler.plan_ahead`), a row asks
-        for top log-probs (read back at once: the first waiting sequence's included, where it
-        would be admitted), or the cache lacks a block. The step may admit waiting sequences and go on
-        with chunked prefills (their ids are known here) beside the decode rows fed by
-        `batch`'s samples on the device."""
+        synchronous scheduler can decide the next step (`Scheduler.plan_ahead`) or the cache
+        lacks a block. The step may admit waiting sequences and go on with chunked prefills
+        (their ids are known here) beside the decode rows fed by `batch`'s samples on the
+        device; every row's sample is left on the device (`sampler.sample_pending`)."""
         llm, sched = self.llm, self.llm.scheduler
         plan = sched.plan_ahead(batch)
-        if plan is None:
-            return None
-        nxt = [c.seq for c in plan.chunks if c.samples]
-        if len(nxt) == plan.fed:  # (every decode step: all its rows one token ahead)
-            reqs = llm._sample_requests(nxt, ahead=1)
-        else:
-            reqs = [llm._sample_requests([c.seq], ahead=int(c.ahead))[0] for c in plan.chunks if c.samples]
-        if needs_readback(reqs) or (sched.admits_next(plan) and not self._runs_ahead(sched.waiting[0])):
-            return None
-        running = len(plan.chunks)
-        ahead = sched.commit_ahead(plan, self._runs_ahead)  # (appends its admissions to plan.chunks)
+        ahead = sched.commit_ahead(plan) if plan is not None else None
         if ahead is None:
             return None
-        if len(ahead.chunks) > running:  # admitted rows, nothing pending
-            admitted = [c.seq for c in ahead.chunks[running:] if c.samples]
-            nxt += admitted
-            reqs += llm._sample_requests(admitted)
+        nxt = [c.seq for c in ahead.chunks if c.samples]
+        if len(nxt) == plan.fed:  # (every decode step: all its rows one token ahead)
+            reqs = llm._sample_requests(nxt, ahead=1)
+        else:  # (fed rows one token ahead; prefills and admissions have every token)
+            reqs = [llm._sample_requests([c.seq], ahead=int(c.ahead))[0] for c in ahead.chunks if c.samples]
         row = {s.seq_id: i for i, s in enumerate(seqs)}
         src = [row[c.seq.seq_id] if c.ahead else -1 for c in ahead.chunks]
         return ahead, nxt, llm.runner.launch(ahead, reqs, (src, pending.tokens))
-
-    def _runs_ahead(self, seq: Seq) -> bool:
-        """Whether a waiting sequence's samples are left on the device (it asks for no top
-        log-probs), so that a step launched ahead may admit it."""
-        return not needs_readback(self.llm._sample_requests([seq]))
 
     def _advance_watched(self, seqs: list[Seq], by_id: dict[int, tuple]) -> int:
         """`_advance` the watched samples among the sampled seqs, in batch order; -> how

@@ -93,45 +93,30 @@ def row_inputs(reqs: list[SampleRequest]) -> tuple[torch.Tensor, torch.Tensor, t
     return torch.from_numpy(temps), keys, torch.from_numpy(random_row)
 
 
-def needs_readback(reqs: list[SampleRequest]) -> bool:
-    """Whether some row asks for top log-probs: host lists built from the step's log-softmax
-    rows, so its results are read back at once (`sample`), not left on the device."""
-    return any(r.params.logprobs for r in reqs)
-
-
 def sample_pending(logits: torch.Tensor, reqs: list[SampleRequest]) -> Pending:
-    """`sample`'s rows as a `Pending`: on CUDA the rows are sampled by device ops only (banned
-    tokens and top-k/top-p included: their per-row narrowing is device ops too) and the host
-    does not wait for them here (a step under async scheduling, engine/core.py); rows that
-    ask for top log-probs, and the CPU, get `sample`'s results at once."""
-    if logits.device.type != "cuda" or needs_readback(reqs):
-        return Pending.done(sample(logits, reqs), logits.device)
-    temps, keys, random_row = (to_device(t, logits.device) for t in row_inputs(reqs))
-    if not needs_host_rules(reqs):
-        return Pending.copying(*sample_plain(logits, temps, keys, random_row))
-    return Pending.copying(*_sample_with_rules(logits, reqs, temps, keys, random_row)[:2])
+    """`sample`'s rows as a `Pending`: on CUDA every row is sampled by device ops (banned
+    tokens, top-k/top-p and top log-probs included: the per-row path is device ops too) and
+    the host does not wait for them here (a step under async scheduling, engine/core.py); on
+    the CPU the results at once."""
+    tokens, chosen, tops = _device_sample(logits, reqs)
+    if logits.device.type != "cuda":
+        return Pending.done(_results(tokens, chosen, tops), logits.device)
+    return Pending.copying(tokens, chosen, tops)
 
 
 def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> list[tuple]:
     """logits [N, V] -> (token, float32 log-prob) per row, plus the top alternatives for rows
-    that ask `logprobs=k`; one host sync for the batch (and one per such row)."""
+    that ask `logprobs=k`; one host sync for the batch."""
+    return _results(*_device_sample(logits, reqs))
+
+
+def _device_sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple:
+    """-> tokens [N], their reported log-probs [N] and `Tops` (None when no row asks for top
+    log-probs), all on the logits' device: the plain race (`sample_plain`) when no row
+    narrows, else the per-row path over the log-softmax rows (bans, `_narrow`, the race)."""
     temps, keys, random_row = (to_device(t, logits.device) for t in row_inputs(reqs))
     if not needs_host_rules(reqs):
-        tokens, chosen = sample_plain(logits, temps, keys, random_row)
-        return list(zip(tokens.tolist(), chosen.tolist(), strict=True))
-    tokens, chosen, lps = _sample_with_rules(logits, reqs, temps, keys, random_row)
-    out = list(zip(tokens.tolist(), chosen.tolist(), strict=True))
-    for i, req in enumerate(reqs):
-        if req.params.logprobs:
-            out[i] = (*out[i], top_logprobs(lps[i], req.params.logprobs))
-    return out
-
-
-def _sample_with_rules(
-    logits: torch.Tensor, reqs: list[SampleRequest], temps, keys, random_row
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The race over each row's narrowed distribution (banned tokens, top-k/top-p), by device
-    ops -> (tokens [N], their reported log-probs [N], the log-softmax rows [N, V])."""
+        return (*sample_plain(logits, temps, keys, random_row), None)
     lps = reported_logprobs(logits, temps)  # [N, V] float32
     probs = lps.exp()
     scores = logits.float()  # greedy rows and the underflow fallback choose by logit
@@ -143,15 +128,48 @@ def _sample_with_rules(
         if req.params.temperature > 0 and (req.params.top_k != -1 or req.params.top_p < 1.0):
             probs[i] = _narrow(probs[i], req.params)
     tokens, chosen = race(lps, probs, scores, keys, random_row)
-    return tokens, chosen, lps
+    asked = [(i, req.params.logprobs) for i, req in enumerate(reqs) if req.params.logprobs]
+    return tokens, chosen, Tops.of(lps, asked) if asked else None
 
 
-def top_logprobs(row: torch.Tensor, k: int) -> list[tuple[int, float]]:
-    """The k largest entries of one log-softmax row [V] as (token, log-prob), best first
-    (ties: the lower token id first)."""
-    k = min(k, row.numel())
-    order = torch.sort(row, descending=True, stable=True).indices[:k]
-    return list(zip(order.tolist(), row[order].tolist(), strict=True))
+class Tops(NamedTuple):
+    """The top log-probs of the rows that ask for them, on the device until read: row i of
+    `rows` takes ks[i] entries, in order, of the concatenated ids and log-probs."""
+
+    rows: list[int]
+    ks: list[int]
+    ids: torch.Tensor  # [sum k] int64
+    logprobs: torch.Tensor  # [sum k] float32
+
+    @classmethod
+    def of(cls, lps: torch.Tensor, asked: list[tuple[int, int]]) -> Tops:
+        """The k largest entries of each asked row of lps [N, V], best first (ties: the lower
+        token id first: a stable descending sort)."""
+        rows, ks = [i for i, _ in asked], [min(k, lps.shape[1]) for _, k in asked]
+        order = [
+            torch.sort(lps[i], descending=True, stable=True).indices[:k] for i, k in zip(rows, ks, strict=True)
+        ]
+        values = [lps[i][o] for i, o in zip(rows, order, strict=True)]
+        return cls(rows, ks, torch.cat(order), torch.cat(values))
+
+    def lists(self, ids: list[int], logprobs: list[float]) -> dict[int, list[tuple[int, float]]]:
+        """row -> [(token, log-prob), ...] from the host copies of `ids` and `logprobs`."""
+        out, at = {}, 0
+        for row, k in zip(self.rows, self.ks, strict=True):
+            out[row] = list(zip(ids[at : at + k], logprobs[at : at + k], strict=True))
+            at += k
+        return out
+
+
+def _results(tokens: torch.Tensor, chosen: torch.Tensor, tops: Tops | None, ids=None, lps=None) -> list[tuple]:
+    """Host results per row: (token, log-prob[, top log-probs]) from tensors on any device
+    (`ids`, `lps`: host copies of the tops' tensors, when made)."""
+    out = list(zip(tokens.tolist(), chosen.tolist(), strict=True))
+    if tops is not None:
+        ids, lps = (tops.ids, tops.logprobs) if ids is None else (ids, lps)
+        for row, top in tops.lists(ids.tolist(), lps.tolist()).items():
+            out[row] = (*out[row], top)
+    return out
 
 
 class Pending:
@@ -162,9 +180,9 @@ class Pending:
     they are only valid until the next launch). `result()` waits for the step and returns
     (token, log-prob[, top log-probs]) per row, as `sample` does."""
 
-    __slots__ = ("_tokens", "_results", "_host", "_event", "_device")
+    __slots__ = ("_tokens", "_results", "_host", "_event", "_device", "_tops")
 
-    def __init__(self, tokens=None, results=None, host=None, event=None, device=None):
+    def __init__(self, tokens=None, results=None, host=None, event=None, device=None, tops=None):
         self._tokens, self._results, self._host, self._event, self._device = (
             tokens,
             results,
@@ -172,23 +190,25 @@ class Pending:
             event,
             device,
         )
+        self._tops = tops
 
     @classmethod
     def done(cls, results: list[tuple], device) -> Pending:
-        """Samples the host already has (the eager path, host rules)."""
+        """Samples the host already has (the CPU)."""
         return cls(results=results, device=device)
 
     @classmethod
-    def copying(cls, tokens: torch.Tensor, chosen: torch.Tensor) -> Pending:
-        """Samples still on the device (a CUDA graph's outputs [N]): copied into pinned host
-        memory behind the step on the current stream, waited for by `result()`."""
-        host = (torch.empty_like(tokens, device="cpu", pin_memory=True),
-                torch.empty_like(chosen, device="cpu", pin_memory=True))  # fmt: skip
-        host[0].copy_(tokens, non_blocking=True)
-        host[1].copy_(chosen, non_blocking=True)
+    def copying(cls, tokens: torch.Tensor, chosen: torch.Tensor, tops: Tops | None = None) -> Pending:
+        """Samples still on the device (a CUDA graph's outputs [N], or an eager step's; with
+        the asked rows' top log-probs): copied into pinned host memory behind the step on the
+        current stream, waited for by `result()`."""
+        parts = (tokens, chosen) if tops is None else (tokens, chosen, tops.ids, tops.logprobs)
+        host = tuple(torch.empty_like(t, device="cpu", pin_memory=True) for t in parts)
+        for h, t in zip(host, parts, strict=True):
+            h.copy_(t, non_blocking=True)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(tokens.device))  # the step's device, not the current one
-        return cls(tokens=tokens, host=host, event=event)
+        return cls(tokens=tokens, host=host, event=event, tops=tops)
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -199,6 +219,6 @@ class Pending:
     def result(self) -> list[tuple]:
         if self._results is None:
             self._event.synchronize()
-            self._results = list(zip(self._host[0].tolist(), self._host[1].tolist(), strict=True))
-            self._host = self._event = None
+            self._results = _results(*self._host[:2], self._tops, *self._host[2:])
+            self._host = self._event = self._tops = None
         return self._results

@@ -7,7 +7,6 @@ scheduler keeps no reference to a finished sequence.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from samebits.engine.block_manager import BlockManager
@@ -213,10 +212,9 @@ class Scheduler:
                 return None
         return AheadPlan(chunks, leaving, budget, fed, grow)
 
-    def commit_ahead(self, plan: AheadPlan, admit: Callable[[Sequence], bool]) -> ScheduledBatch | None:
+    def commit_ahead(self, plan: AheadPlan) -> ScheduledBatch | None:
         """Allocate the blocks of `plan_ahead`'s chunks and admit waiting sequences into the
-        budget and slots left, as `schedule` does, while `admit(seq)` allows (a sequence it
-        refuses waits for a synchronous step) -> the step's batch; None (nothing allocated)
+        budget and slots left, as `schedule` does -> the step's batch; None (nothing allocated)
         when the cache lacks a block for the running chunks (that step needs the synchronous
         `schedule`: a preemption) or the step would be empty. Publishes the blocks of chunks
         whose ids are known here (chunked prefills, admissions) as `schedule` does, and none
@@ -234,14 +232,8 @@ class Scheduler:
                 if not c.ahead:  # the n samples of a request admitted now hit their prompt's blocks
                     bm.publish(c.seq, c.start + c.num_tokens)
         batch = ScheduledBatch(plan.chunks)
-        self._admit_waiting(batch, plan.budget, plan.leaving, admit)
+        self._admit_waiting(batch, plan.budget, plan.leaving)
         return batch if batch.chunks else None
-
-    def admits_next(self, plan: AheadPlan) -> bool:
-        """Whether `commit_ahead` would consider the first waiting sequence (budget and a slot
-        left): where the engine cannot run that sequence ahead, the step is left to `schedule`,
-        so that it is admitted now rather than after every running sequence."""
-        return bool(self.waiting) and plan.budget > 0 and len(self.running) - plan.leaving < self.max_num_seqs
 
     def _schedule_running(self, chunks: list[ScheduledChunk], budget: int) -> tuple[int, bool]:
         """-> (budget left, whether anything was preempted)."""
@@ -267,21 +259,12 @@ class Scheduler:
                 budget -= end - start
         return budget, preempted
 
-    def _admit_waiting(
-        self,
-        batch: ScheduledBatch,
-        budget: int,
-        leaving: int = 0,
-        admit: Callable[[Sequence], bool] | None = None,
-    ) -> None:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, leaving: int = 0) -> None:
         """Admit FIFO; a waiting sequence holds no blocks, so it starts after its cached prefix.
-        `leaving`: running sequences that end before this step runs (their slots are free);
-        `admit`: a predicate a sequence must pass (admission stops at the first it refuses)."""
+        `leaving`: running sequences that end before this step runs (their slots are free)."""
         bm = self.blocks
         while self.waiting and budget > 0 and len(self.running) - leaving < self.max_num_seqs:
             seq = self.waiting[0]
-            if admit is not None and not admit(seq):
-                break
             hits = bm.cached_prefix(seq)  # [] without prefix sharing
             start = len(hits) * bm.block_size
             n = min(seq.num_tokens - start, budget)
