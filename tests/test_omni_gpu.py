@@ -44,3 +44,30 @@ def test_real_shape_thinker_cut_parity_cuda(tmp_path):
     probe = _probe()
     path = probe.write_random_thinker(tmp_path / "real", layers=2, seed=0, device="cuda")
     _check(probe.run(path, probe.real_prompts(0), "cuda", tokens=64, seed=0, log=lambda *_: None))
+
+
+def test_deepstack_add_gives_the_thinker_bits_without_a_host_sync_on_cuda():
+    """The engine's deepstack add runs inside a step that may be queued while the one before
+    runs (async scheduling): it must not wait for the device. Under CUDA's sync debug mode
+    ("error": a synchronizing call raises) it gives transformers' `_deepstack_process` bits;
+    control, the reason: that boolean-indexed version raises there (it counts the rows)."""
+    import torch
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as om
+
+    from samebits.numerics import ops
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    h = torch.randn(37, 64, device="cuda", generator=g).bfloat16()
+    mask = torch.zeros(37, dtype=torch.bool, device="cuda")
+    mask[[2, 3, 9, 10, 11, 30]] = True
+    emb = torch.randn(6, 64, device="cuda", generator=g).bfloat16()
+    want = om.Qwen3OmniMoeThinkerTextModel._deepstack_process(None, h, mask, emb)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = ops.deepstack_add(h, mask, emb)
+        with pytest.raises(RuntimeError):
+            om.Qwen3OmniMoeThinkerTextModel._deepstack_process(None, h, mask, emb)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, want)

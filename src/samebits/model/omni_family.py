@@ -21,6 +21,7 @@ import torch
 
 from samebits.model.config_match import config_differences, refuse_other_shape
 from samebits.model.family import build_model
+from samebits.model.host_copy import to_device
 from samebits.model.omni import MultimodalRows, Qwen3OmniThinker, RopeIndex
 from samebits.model.omni_config import OmniConfig, omni_architecture
 from samebits.model.omni_inputs import MultimodalState, check_prompt, encode, new_state
@@ -114,14 +115,16 @@ class Qwen3OmniFamily:
         for state, start, end in spans:
             if state.needs_encoding:
                 encode(state, self.model, self.omni)
-            in_span = (state.feature_index >= start) & (state.feature_index < end)
-            if bool(in_span.any()):
+            # (host index tensors; the device gathers by index: a boolean index on the device
+            # would wait for it, and this step may be built while the one before runs)
+            in_span = ((state.feature_index >= start) & (state.feature_index < end)).nonzero()[:, 0]
+            if in_span.numel():
                 rows.append(state.feature_index[in_span] - start + row)
-                embeds.append(state.embeds[in_span.to(state.embeds.device)])
-            vis = (state.visual_index >= start) & (state.visual_index < end)
-            if bool(vis.any()):
+                embeds.append(state.embeds.index_select(0, to_device(in_span, state.embeds.device)))
+            vis = ((state.visual_index >= start) & (state.visual_index < end)).nonzero()[:, 0]
+            if vis.numel():
                 visual.append(state.visual_index[vis] - start + row)
-                deep.append([level[vis.to(level.device)] for level in state.deepstack])
+                deep.append([level.index_select(0, to_device(vis, level.device)) for level in state.deepstack])
             row += end - start
         return {"multimodal": self._rows(row, rows, embeds, visual, deep)}
 
@@ -132,9 +135,9 @@ class Qwen3OmniFamily:
             mask[torch.cat(visual)] = True
         levels = tuple(torch.cat(parts).to(dev) for parts in zip(*deep, strict=True)) if deep else ()
         return MultimodalRows(
-            rows=torch.cat(rows).to(dev),
+            rows=to_device(torch.cat(rows), dev),
             embeds=torch.cat(embeds).to(dev),
-            visual_mask=mask.to(dev),
+            visual_mask=to_device(mask, dev),
             deepstack=levels,
         )
 

@@ -171,12 +171,18 @@ def _(router_logits, top_k, norm_topk_prob):
 def _deepstack_add(hidden_states: Tensor, visual_pos_mask: Tensor, visual_embeds: Tensor) -> Tensor:
     """Thinker `_deepstack_process`: add visual embeds to the *full* hidden state a layer returns.
 
-    hidden [..., H], visual_pos_mask [...] bool, visual_embeds [N_visual, H].
-    """
+    hidden [..., H], visual_pos_mask [...] bool with N_visual rows set, visual_embeds
+    [N_visual, H]. transformers' `out[mask, :] = out[mask, :] + embeds`, without its host sync
+    (a boolean index waits for the device to count the rows): masked row r gets embeds[k], k
+    the masked rows before it (boolean indexing's order), by a gather, and the same add; the
+    other rows are copied. The same bits."""
     visual_embeds = visual_embeds.to(hidden_states.device, hidden_states.dtype)
-    out = hidden_states.clone()
-    out[visual_pos_mask, :] = out[visual_pos_mask, :] + visual_embeds
-    return out
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])  # [N, H]
+    if visual_embeds.shape[0] == 0:
+        return hidden_states.clone()
+    mask = visual_pos_mask.reshape(-1, 1)  # [N, 1]
+    rank = (mask[:, 0].cumsum(0) - 1).clamp(min=0)  # [N]: the visual row each masked row takes
+    return torch.where(mask, flat + visual_embeds[rank], flat).reshape(hidden_states.shape)
 
 
 deepstack_add = torch.library.custom_op("samebits::deepstack_add", _deepstack_add, mutates_args=())
