@@ -120,11 +120,12 @@ def _device_sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple:
     lps = reported_logprobs(logits, temps)  # [N, V] float32
     probs = lps.exp()
     scores = logits.float()  # greedy rows and the underflow fallback choose by logit
+    rows = [i for i, req in enumerate(reqs) for _ in req.banned]
+    if rows:  # every row's bans in one write each (the Omni thinker bans its placeholders in all)
+        at = to_device(torch.tensor([rows, [t for req in reqs for t in req.banned]]), logits.device)
+        probs[at[0], at[1]] = 0.0
+        scores[at[0], at[1]] = float("-inf")
     for i, req in enumerate(reqs):
-        if req.banned:
-            banned = to_device(torch.tensor(req.banned), logits.device)
-            probs[i, banned] = 0.0
-            scores[i, banned] = float("-inf")
         if req.params.temperature > 0 and (req.params.top_k != -1 or req.params.top_p < 1.0):
             probs[i] = _narrow(probs[i], req.params)
     tokens, chosen = race(lps, probs, scores, keys, random_row)
