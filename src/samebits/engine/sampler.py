@@ -121,7 +121,7 @@ def _device_sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple:
     probs = lps.exp()
     scores = logits.float()  # greedy rows and the underflow fallback choose by logit
     rows = [i for i, req in enumerate(reqs) for _ in req.banned]
-    if rows:  # every row's bans in one write each (the Omni thinker bans its placeholders in all)
+    if rows:  # every row's bans in one write each (a family's never-sampled ids are banned in all)
         at = to_device(torch.tensor([rows, [t for req in reqs for t in req.banned]]), logits.device)
         probs[at[0], at[1]] = 0.0
         scores[at[0], at[1]] = float("-inf")
