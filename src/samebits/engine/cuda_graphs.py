@@ -29,6 +29,7 @@ from samebits.engine.sampler import (
 )
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.model.attention import AttentionBatch
+from samebits.model.host_copy import copy_to_device
 
 
 def graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -143,10 +144,10 @@ class DecodeGraphs:
         rows[5, :n] = random_row.numpy()
         ctx = np.ones(size, dtype=np.int32)
         ctx[:n] = pos + 1
-        _upload(self.i64[:, :size], torch.from_numpy(rows))
-        _upload(self.block_tables[:size], torch.from_numpy(tables))
-        _upload(self.ctx_len[:size], torch.from_numpy(ctx))
-        _upload(self.temps[:size], torch.cat([temps, torch.ones(size - n)]))
+        copy_to_device(self.i64[:, :size], torch.from_numpy(rows))
+        copy_to_device(self.block_tables[:size], torch.from_numpy(tables))
+        copy_to_device(self.ctx_len[:size], torch.from_numpy(ctx))
+        copy_to_device(self.temps[:size], torch.cat([temps, torch.ones(size - n)]))
 
     def _fill_positions(self, positions: torch.Tensor, size: int) -> None:
         """Copy the B rows' positions into the static buffer; padding rows get position 0."""
@@ -157,17 +158,7 @@ class DecodeGraphs:
             )
         padded = torch.zeros(*positions.shape[:-1], size, dtype=positions.dtype)
         padded[..., : positions.shape[-1]] = positions
-        _upload(self.positions[..., :size], padded)
-
-
-def _upload(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Host -> device without a stream sync: through pinned memory (PyTorch's caching host
-    allocator keeps the pinned block until the copy is done). A plain `copy_` from pageable
-    memory waits for the stream, i.e. for the step before, which async scheduling overlaps."""
-    if dst.is_cuda:
-        dst.copy_(src.pin_memory(), non_blocking=True)
-    else:  # (the CPU tests of the fill)
-        dst.copy_(src)
+        copy_to_device(self.positions[..., :size], padded)
 
 
 class TableRows:

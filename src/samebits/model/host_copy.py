@@ -19,3 +19,12 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy host `src` into `dst` (a CUDA graph's static input buffer), queued behind the
+    stream's work as `to_device` is; a plain copy on the CPU (the CPU tests of the fill)."""
+    if dst.is_cuda:
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)
