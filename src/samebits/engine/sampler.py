@@ -58,30 +58,67 @@ def row_keys(seeds: list[int], output_indices: list[int]) -> torch.Tensor:
     return torch.from_numpy(keys.astype(np.int64)).view(-1, 2)
 
 
-def _narrow(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Zero the tokens outside top-k / top-p (probs [V] float32)."""
-    if params.top_k != -1 and params.top_k < probs.numel():
-        kth = torch.topk(probs, params.top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, 0.0)
-    if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True, stable=True)
-        before = torch.cumsum(sorted_p, dim=0) - sorted_p  # mass of strictly better tokens
-        keep_sorted = before < params.top_p * sorted_p.sum()
-        keep = torch.zeros_like(keep_sorted)
-        keep[order] = keep_sorted
-        probs = torch.where(keep, probs, 0.0)
-    return probs
+# Top-p sums each row's probabilities in integers of 2**-MASS_BITS: integer sums are exact, so
+# a row's cumulative mass, and so its nucleus, is the same whatever order a kernel adds in
+# (a batched scan is another kernel than a single row's, and may associate differently).
+MASS_BITS = 40  # a row's mass ~2**40 stays exact in float64 (< 2**53) for the threshold compare
+NARROW_ROWS = 32  # rows narrowed per pass: bounds the sort's [rows, V] temporaries
+
+
+def _mass(sorted_probs: torch.Tensor) -> torch.Tensor:
+    """probs [R, V] float32 in [0, 1] -> int64 counts of 2**-MASS_BITS (a power-of-two scale is
+    exact in float32, the cast truncates): element by element, so a row's counts are its own."""
+    return (sorted_probs * float(2**MASS_BITS)).to(torch.int64)
+
+
+def _cumsum(mass: torch.Tensor) -> torch.Tensor:
+    """Inclusive scan along the vocabulary (a seam for the tests' reordered scans)."""
+    return torch.cumsum(mass, dim=-1)
+
+
+def narrow_rows(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Zero the tokens outside each row's top-k, then outside its top-p nucleus: probs [R, V]
+    float32 >= 0, top_k[i] -1 (off) or >= 1, top_p[i] in (0, 1] (1: off) -> narrowed probs [R, V].
+
+    top-k keeps the tokens at least the k-th largest probability (ties kept); top-p keeps,
+    in descending order, each token whose strictly better tokens' mass is below p times the
+    mass top-k left. A row's result depends on its own values only: the k-th largest value
+    is one number whichever kernel selects it (`torch.topk` or the sort), the sort is a
+    permutation (stable), and the mass is summed in integers (`_mass`), exact in any order.
+    Rows go in passes of NARROW_ROWS, a few launches each whatever they ask."""
+    out = [
+        _narrow_pass(probs[lo : lo + NARROW_ROWS], top_k[lo : lo + NARROW_ROWS], top_p[lo : lo + NARROW_ROWS])
+        for lo in range(0, probs.shape[0], NARROW_ROWS)
+    ]
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _narrow_pass(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    vocab = probs.shape[-1]
+    ks = [vocab if k == -1 else min(k, vocab) for k in top_k]
+    kth_at = to_device(torch.tensor(ks, dtype=torch.int64)[:, None] - 1, probs.device)
+    if all(p >= 1.0 for p in top_p):  # top-k only: its k-th value, no full sort
+        kth = torch.topk(probs, max(ks), dim=-1).values.gather(1, kth_at)
+        return torch.where(probs >= kth, probs, 0.0)
+    ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    kth = ordered.gather(1, kth_at)
+    mass = _mass(torch.where(ordered >= kth, ordered, 0.0))  # what top-k leaves, in order
+    through = _cumsum(mass)
+    before = (through - mass).double()  # < 2**53: exact
+    p = to_device(torch.tensor(top_p, dtype=torch.float64)[:, None], probs.device)
+    keep_ordered = (before < p * through[:, -1:].double()) | (p >= 1.0)
+    keep = torch.empty_like(keep_ordered).scatter_(1, order, keep_ordered)
+    return torch.where(keep & (probs >= kth), probs, 0.0)
 
 
 def needs_host_rules(reqs: list[SampleRequest]) -> bool:
     """Whether some row bans tokens, narrows by top-k/top-p or asks for top log-probs
     (per-row work beyond `race`)."""
-    return any(
-        r.banned
-        or r.params.logprobs
-        or (r.params.temperature > 0 and (r.params.top_k != -1 or r.params.top_p < 1.0))
-        for r in reqs
-    )
+    return any(r.banned or r.params.logprobs or (r.params.temperature > 0 and _narrows(r.params)) for r in reqs)
+
+
+def _narrows(params: SamplingParams) -> bool:
+    return params.top_k != -1 or params.top_p < 1.0
 
 
 def row_inputs(reqs: list[SampleRequest]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -113,7 +150,7 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> list[tuple]:
 def _device_sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple:
     """-> tokens [N], their reported log-probs [N] and `Tops` (None when no row asks for top
     log-probs), all on the logits' device: the plain race (`sample_plain`) when no row
-    narrows, else the per-row path over the log-softmax rows (bans, `_narrow`, the race)."""
+    narrows, else the per-row path over the log-softmax rows (bans, `narrow_rows`, the race)."""
     temps, keys, random_row = (to_device(t, logits.device) for t in row_inputs(reqs))
     if not needs_host_rules(reqs):
         return (*sample_plain(logits, temps, keys, random_row), None)
@@ -125,9 +162,12 @@ def _device_sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple:
         at = to_device(torch.tensor([rows, [t for req in reqs for t in req.banned]]), logits.device)
         probs[at[0], at[1]] = 0.0
         scores[at[0], at[1]] = float("-inf")
-    for i, req in enumerate(reqs):
-        if req.params.temperature > 0 and (req.params.top_k != -1 or req.params.top_p < 1.0):
-            probs[i] = _narrow(probs[i], req.params)
+    narrowed = [i for i, r in enumerate(reqs) if r.params.temperature > 0 and _narrows(r.params)]
+    if narrowed:  # every narrowed row in a few batched passes (`narrow_rows`)
+        at = to_device(torch.tensor(narrowed), logits.device)
+        picked = [reqs[i].params for i in narrowed]
+        rows = narrow_rows(probs.index_select(0, at), [q.top_k for q in picked], [q.top_p for q in picked])
+        probs.index_copy_(0, at, rows)
     tokens, chosen = race(lps, probs, scores, keys, random_row)
     asked = [(i, req.params.logprobs) for i, req in enumerate(reqs) if req.params.logprobs]
     return tokens, chosen, Tops.of(lps, asked) if asked else None

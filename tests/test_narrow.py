@@ -1,0 +1,134 @@
+"""Top-k / top-p narrowing of many rows at once (`sampler.narrow_rows`): what it keeps, and that
+a row keeps the same tokens alone, in any batch and in any pass, because its nucleus mass is
+summed in integers (exact in any order)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from samebits.engine import sampler
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _spec(row: list[float], k: int, p: float) -> list[float]:
+    """The rule in plain Python for one row: keep what is at least the k-th largest, then, in
+    descending order (ties by index), each token whose strictly better mass (counts of
+    2**-MASS_BITS, truncated) is below p times the mass top-k left."""
+    vocab = len(row)
+    kth = sorted(row, reverse=True)[min(k, vocab) - 1] if k != -1 else min(row)
+    left = [x if x >= kth else 0.0 for x in row]
+    if p >= 1.0:
+        return left
+    counts = [int(x * 2**sampler.MASS_BITS) for x in left]  # x float32: the product is exact
+    total = sum(counts)
+    keep, before = [False] * vocab, 0
+    for j in sorted(range(vocab), key=lambda j: (-left[j], j)):
+        keep[j] = float(before) < p * float(total)
+        before += counts[j]
+    return [x if kept else 0.0 for x, kept in zip(left, keep, strict=True)]
+
+
+def _rows(n: int, vocab: int, seed: int) -> torch.Tensor:
+    """Softmax rows: peaked, flat, tied and with underflowed tails."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, vocab, generator=g) * torch.linspace(0.5, 6.0, n)[:, None]
+    logits[::4, : vocab // 3] = 1.5  # a third of the row tied
+    logits[1::5, 3] = 40.0  # one token holds nearly all the mass
+    return torch.softmax(logits, dim=-1)
+
+
+def _params(n: int) -> tuple[list[int], list[float]]:
+    ks = [(-1, 1, 5, 40, 10_000)[i % 5] for i in range(n)]
+    ps = [(1.0, 0.9, 0.5, 0.97, 0.3, 0.999)[i % 6] for i in range(n)]
+    return ks, ps
+
+
+def test_narrow_rows_is_the_rule_written_out():
+    probs = _rows(40, 300, seed=1)
+    ks, ps = _params(40)
+    got = sampler.narrow_rows(probs, ks, ps)
+    rows = zip(probs.tolist(), ks, ps, strict=True)
+    want = torch.tensor([_spec(r, k, p) for r, k, p in rows], dtype=torch.float32)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, probs)
+
+
+def test_top_p_stops_at_the_first_token_whose_better_mass_reaches_p():
+    """Hand-made rows with exact binary masses. Control: the same row at a p just past the
+    boundary keeps one token more, and top-k's ties are all kept."""
+    row = torch.tensor([[0.125, 0.5, 0.125, 0.25]])
+    assert sampler.narrow_rows(row, [-1], [0.75]).tolist() == [[0.0, 0.5, 0.0, 0.25]]
+    assert sampler.narrow_rows(row, [-1], [0.76]).tolist() == [[0.125, 0.5, 0.0, 0.25]]  # first of the tie
+    assert sampler.narrow_rows(row, [3], [1.0]).tolist() == [[0.125, 0.5, 0.125, 0.25]]  # ties at the k-th
+    assert sampler.narrow_rows(row, [1], [1.0]).tolist() == [[0.0, 0.5, 0.0, 0.0]]
+    # p of what top-k left (0.75): 0.6 of it is 0.45 < 0.5, so 0.25 goes (0.6 of the row would keep it)
+    assert sampler.narrow_rows(row, [2], [0.6]).tolist() == [[0.0, 0.5, 0.0, 0.0]]
+    assert sampler.narrow_rows(row, [2], [0.7]).tolist() == [[0.0, 0.5, 0.0, 0.25]]
+
+
+def _blocked_scan(block_of_rows):
+    """An inclusive scan that adds in blocks whose width depends on how many rows the call has,
+    as a kernel may tile by its input's shape: another association for another batch."""
+
+    def scan(x: torch.Tensor) -> torch.Tensor:
+        width = block_of_rows(x.shape[0])
+        pad = (-x.shape[1]) % width
+        blocks = torch.nn.functional.pad(x, (0, pad)).view(x.shape[0], -1, width)
+        inner = torch.cumsum(blocks, dim=-1)
+        carried = torch.cumsum(inner[..., -1], dim=-1) - inner[..., -1]
+        return (inner + carried[..., None]).view(x.shape[0], -1)[:, : x.shape[1]]
+
+    return scan
+
+
+def _adversarial_p(probs: torch.Tensor, scan) -> list[float]:
+    """For each row, a p just above a float32 cumulative mass as `scan` adds it alone: where
+    another association of the sum lands above that mass, the token's fate flips."""
+    out = []
+    for i, row in enumerate(probs):
+        ordered = torch.sort(row, descending=True, stable=True).values[None]
+        before = (scan(ordered) - ordered)[0]
+        j = 20 + 7 * i % 200
+        out.append(min(float(before[j]) / float(before[-1] + ordered[0, -1]) * (1 + 1e-12), 0.999))
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_row_narrows_alone_as_in_any_batch(device, monkeypatch):
+    """70 rows (three passes of NARROW_ROWS) with mixed top-k/top-p, each narrowed alone, all in
+    one call, in reversed order and in passes of other sizes, under the device's own scan and
+    under a scan whose association follows the call's row count: every row the same.
+    Control: the same rows, p's and scans with the mass summed in float32 (no integer counts):
+    some row keeps other tokens alone than in the batch."""
+    vocab = 4096
+    probs = _rows(70, vocab, seed=3)
+    probs[:, :2000] = probs[:, :2000].mean(dim=-1, keepdim=True) * torch.rand(70, 1) * 2  # long flat runs
+    probs = (probs / probs.sum(-1, keepdim=True)).to(device)
+    ks, _ = _params(70)
+    scan = _blocked_scan(lambda rows: 5 + 3 * rows)
+    ps = _adversarial_p(probs.cpu().float(), scan)
+
+    def arms():
+        one = [sampler.narrow_rows(probs[i : i + 1], ks[i : i + 1], ps[i : i + 1]) for i in range(70)]
+        alone = torch.cat(one)
+        batch = sampler.narrow_rows(probs, ks, ps)
+        back = sampler.narrow_rows(probs.flip(0), ks[::-1], ps[::-1]).flip(0)
+        return alone, batch, back
+
+    def same(a, b) -> int:
+        return sum(not torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+    alone, batch, back = arms()
+    assert same(alone, batch) == 0 and same(alone, back) == 0
+    assert any(p < 1.0 for p in ps) and not torch.equal(batch, probs)  # the rows were narrowed
+    monkeypatch.setattr(sampler, "_cumsum", scan)
+    monkeypatch.setattr(sampler, "NARROW_ROWS", 29)
+    reordered = arms()
+    assert all(same(alone, r) == 0 for r in reordered)
+
+    monkeypatch.setattr(sampler, "_mass", lambda ordered: ordered)  # float32 mass: order matters
+    differ = same(*arms()[:2])
+    print(f"float32 mass: {differ} of 70 rows differ alone vs in the batch")
+    assert differ > 0
