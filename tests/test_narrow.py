@@ -132,3 +132,33 @@ def test_a_row_narrows_alone_as_in_any_batch(device, monkeypatch):
     differ = same(*arms()[:2])
     print(f"float32 mass: {differ} of 70 rows differ alone vs in the batch")
     assert differ > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_logprobs_of_many_rows_are_each_rows_own_stable_order(device, monkeypatch):
+    """`Tops.of` sorts the asked rows together in passes: every row's list is its own stable
+    descending order (ties by the lower id), across pass edges and passes of other sizes.
+    Control: the same lists with ties broken by the higher id differ (the rows have ties in
+    their top entries, so the tie order is tested)."""
+    vocab = 300
+    lps = torch.log(_rows(75, vocab, seed=9)).to(device)
+    lps[::3, 10:20] = lps[::3].max(dim=-1, keepdim=True).values  # ten tied best entries
+    asked = [(i, (1, 3, 12, 20, 500)[i % 5]) for i in range(75) if i % 7 != 3]
+
+    def want(flip: bool) -> dict[int, list[tuple[int, float]]]:
+        out = {}
+        for i, k in asked:
+            row = lps[i].flip(0) if flip else lps[i]
+            top = torch.sort(row, descending=True, stable=True)
+            ids = (vocab - 1 - top.indices if flip else top.indices)[:k]
+            out[i] = list(zip(ids.tolist(), top.values[:k].tolist(), strict=True))
+        return out
+
+    def lists(tops: sampler.Tops) -> dict[int, list[tuple[int, float]]]:
+        return tops.lists(tops.ids.tolist(), tops.logprobs.tolist())
+
+    got = lists(sampler.Tops.of(lps, asked))
+    assert got == want(flip=False)
+    monkeypatch.setattr(sampler, "NARROW_ROWS", 29)
+    assert lists(sampler.Tops.of(lps, asked)) == got
+    assert got != want(flip=True)

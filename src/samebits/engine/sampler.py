@@ -185,13 +185,20 @@ class Tops(NamedTuple):
     @classmethod
     def of(cls, lps: torch.Tensor, asked: list[tuple[int, int]]) -> Tops:
         """The k largest entries of each asked row of lps [N, V], best first (ties: the lower
-        token id first: a stable descending sort)."""
+        token id first: a stable descending sort, a permutation fixed by the row alone), the
+        asked rows sorted together in passes of NARROW_ROWS."""
         rows, ks = [i for i, _ in asked], [min(k, lps.shape[1]) for _, k in asked]
-        order = [
-            torch.sort(lps[i], descending=True, stable=True).indices[:k] for i, k in zip(rows, ks, strict=True)
-        ]
-        values = [lps[i][o] for i, o in zip(rows, order, strict=True)]
-        return cls(rows, ks, torch.cat(order), torch.cat(values))
+        ids, values = [], []
+        for lo in range(0, len(rows), NARROW_ROWS):
+            part, width = ks[lo : lo + NARROW_ROWS], max(ks[lo : lo + NARROW_ROWS])
+            at = to_device(torch.tensor(rows[lo : lo + NARROW_ROWS]), lps.device)
+            picked = lps.index_select(0, at)
+            order = torch.sort(picked, dim=-1, descending=True, stable=True).indices[:, :width]
+            flat = torch.tensor([r * width + c for r, k in enumerate(part) for c in range(k)])
+            flat = to_device(flat, lps.device)  # row r's first k of its `width` columns
+            ids.append(order.reshape(-1).index_select(0, flat))
+            values.append(picked.gather(1, order).reshape(-1).index_select(0, flat))
+        return cls(rows, ks, *(t[0] if len(t) == 1 else torch.cat(t) for t in (ids, values)))
 
     def lists(self, ids: list[int], logprobs: list[float]) -> dict[int, list[tuple[int, float]]]:
         """row -> [(token, log-prob), ...] from the host copies of `ids` and `logprobs`."""
