@@ -9,8 +9,10 @@ waits on) over `--batches` rows of random float32 logits, every row at temperatu
 - top-k 50 / top-p 0.95 / both: `narrow_rows` in passes of `NARROW_ROWS` rows (the sampler
   now), and the same with one row a pass (`NARROW_ROWS = 1`: what the per-row loop before it
   launched, a topk or a sort and a scan per row).
+- the same with the race op by op (`kernels.sample.race`: its noise in int64 [N, V]
+  temporaries, ~450 bytes per (row, token)) where the registry now runs one launch on CUDA.
 Each arm's tokens and log-probs are compared with the batched arm's (a row's nucleus is its
-own, so one pass per row must give the same bits).
+own, so one pass per row must give the same bits; the op-by-op race is the kernel's oracle).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch
 
 from samebits.engine import sampler
 from samebits.engine.sampler import SampleRequest
+from samebits.kernels.sample import race
+from samebits.numerics import registry
 from samebits.requests import SamplingParams
 
 ARMS = {
@@ -58,18 +62,23 @@ def main() -> None:
         for name, over in ARMS.items():
             reqs = [SampleRequest(SamplingParams(seed=i, **over), i, 0) for i in range(batch)]
             call = lambda reqs=reqs, logits=logits: sampler.sample(logits, reqs)  # noqa: E731
-            cells = {}
-            for rows in (batched_rows, 1) if over else (batched_rows,):
-                sampler.NARROW_ROWS = rows
+            cells = {"now": _time(call, device, args.reps)}
+            if over:
+                sampler.NARROW_ROWS = 1
                 try:
-                    cells[rows] = _time(call, device, args.reps)
+                    cells["one row a pass"] = _time(call, device, args.reps)
                 finally:
                     sampler.NARROW_ROWS = batched_rows
-            ms = cells[batched_rows][0]
+                entry = registry.TABLE["race"][device.type]
+                registry.TABLE["race"][device.type] = {registry.ANY: race}
+                try:
+                    cells["op-by-op race"] = _time(call, device, args.reps)
+                finally:
+                    registry.TABLE["race"][device.type] = entry
+            ms, want = cells.pop("now")
             line = f"batch {batch:>4} {name:>22}: {ms:9.2f}"
-            if 1 in cells:
-                same = cells[1][1] == cells[batched_rows][1]
-                line += f"   one row a pass {cells[1][0]:9.2f} ({cells[1][0] / ms:.1f}x), same bits: {same}"
+            for label, (other, got) in cells.items():
+                line += f" | {label} {other:9.2f} ({other / ms:.1f}x, same bits: {got == want})"
             print(line, flush=True)
 
 

@@ -239,6 +239,14 @@ def _race_kernel(
     mask = ids < vocab
     x = tl.load(logits_ptr + row * stride + ids, mask=mask, other=float("-inf")).to(tl.float32)
     probs = _expf((x * r - m) - log_total)
+    _race_block(probs, ids, mask, row, p, keys_ptr, race_val_ptr, race_idx_ptr, any_ptr, PR)
+
+
+@triton.jit
+def _race_block(probs, ids, mask, row, p, keys_ptr, race_val_ptr, race_idx_ptr, any_ptr, PR: tl.constexpr):
+    """The race over one block of a row's ids: the noise (`kernels.sample.exponential_noise`),
+    the best `p / noise` and its lowest id (NaN the largest), and whether some p > 0: stored as
+    program p's partials of the row."""
     key0 = tl.load(keys_ptr + row * 2).to(tl.uint32)
     key1 = tl.load(keys_ptr + row * 2 + 1).to(tl.uint32)
     h = _fmix32(_fmix32(ids.to(tl.uint32) ^ key0) ^ key1)
@@ -249,6 +257,27 @@ def _race_kernel(
     tl.store(race_val_ptr + row * PR + p, best)
     tl.store(race_idx_ptr + row * PR + p, first)
     tl.store(any_ptr + row * PR + p, positive)
+
+
+@fast_launch
+@triton.jit
+def _race_probs_kernel(
+    probs_ptr,
+    stride,
+    vocab,
+    keys_ptr,
+    race_val_ptr,
+    race_idx_ptr,
+    any_ptr,
+    PR: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """`_race_kernel` over probabilities given in float32 (the sampler's narrowed rows)."""
+    row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    ids = p * BLOCK + tl.arange(0, BLOCK)
+    mask = ids < vocab
+    probs = tl.load(probs_ptr + row * stride + ids, mask=mask, other=0.0)
+    _race_block(probs, ids, mask, row, p, keys_ptr, race_val_ptr, race_idx_ptr, any_ptr, PR)
 
 
 @fast_launch
@@ -327,6 +356,47 @@ def sample(
         enable_fp_fusion=False,
     )  # fmt: skip
     return tokens, out_lp
+
+
+def race_supported(probs: torch.Tensor) -> bool:
+    """2-D float32 CUDA probabilities of fewer than 2**31 ids, unit stride along the row."""
+    return (
+        probs.dim() == 2
+        and (probs.is_cuda or _INTERPRET)
+        and probs.dtype == torch.float32
+        and 0 < probs.shape[1] < _BIG.value
+        and probs.stride(1) == 1
+    )
+
+
+def race(
+    lps: torch.Tensor, probs: torch.Tensor, scores: torch.Tensor, keys: torch.Tensor, random_row: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.sample.race` bit for bit (the same noise, IEEE division, libdevice log and
+    argmax rules as torch's CUDA ops), with the noise made in registers: one launch over
+    the probabilities, then per-row picks over [N, V / RACE_BLOCK] partials, where the op-by-op
+    race writes ~450 bytes of int64 temporaries per (row, token)."""
+    if not race_supported(probs):
+        raise ValueError(
+            f"race (Triton) needs 2-D float32 CUDA probabilities with unit stride, got {tuple(probs.shape)} "
+            f"{probs.dtype} on {probs.device} (strides {probs.stride()})"
+        )
+    n, vocab = probs.shape
+    dev = probs.device
+    pr = cdiv(vocab, RACE_BLOCK)
+    race_val = torch.empty(n, pr, dtype=torch.float32, device=dev)
+    race_idx, positive = (torch.empty(n, pr, dtype=torch.int32, device=dev) for _ in range(2))
+    if n:
+        keys = keys.to(dev, torch.int64).contiguous()
+        _race_probs_kernel[(n, pr)](
+            probs, probs.stride(0), vocab, keys, race_val, race_idx, positive, PR=pr, BLOCK=RACE_BLOCK,
+            num_warps=8, enable_fp_fusion=False,
+        )  # fmt: skip
+    # the first block holding the row's best (NaN the largest: torch.argmax's rule) has its lowest id
+    raced = race_idx.gather(1, torch.argmax(race_val, dim=1, keepdim=True))[:, 0].long()
+    usable = (positive > 0).any(dim=1) & random_row
+    tokens = torch.where(usable, raced, torch.argmax(scores, dim=-1))
+    return tokens, lps.gather(1, tokens[:, None])[:, 0]
 
 
 WRITE_BLOCK = 4096  # ids per program of `_log_softmax_kernel`

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from samebits.kernels.sample import race  # noqa: F401  (the engine's sampler races narrowed rows with it)
 from samebits.numerics import composite, scope
 from samebits.numerics.eager_op import EagerOp
 from samebits.numerics.registry import pick
@@ -283,6 +282,16 @@ def sample_plain(
     greedy rows take the best logit. The registry's `sample_plain` runs it op by op, or on CUDA
     as one fused kernel family with the same bits (`kernels/sample_triton.py`)."""
     return pick("sample_plain", logits.device.type)(logits, temps, keys, random_row)
+
+
+def race(
+    lps: torch.Tensor, probs: torch.Tensor, scores: torch.Tensor, keys: torch.Tensor, random_row: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exponential race of rows whose probabilities were narrowed or banned (the sampler's
+    rows with rules): lps [N, V] float32 (the reported log-probs), probs [N, V] float32, scores
+    [N, V] (greedy rows and the underflow fallback) -> (tokens [N], their log-probs [N]).
+    `kernels.sample.race`'s bits on every device; on CUDA one launch (the registry's `race`)."""
+    return pick("race", probs.device.type)(lps, probs, scores, keys, random_row)
 
 
 @torch.library.custom_op("samebits::experts", mutates_args=())

@@ -41,6 +41,7 @@ from samebits.kernels.experts_tiles import slot_tree_fits
 from samebits.kernels.matmul import adjacent_rows, bmm_ref, matmul_ref
 from samebits.kernels.norm_backward import qk_norm_rope_backward_ref, rms_norm_backward_ref
 from samebits.kernels.reduce import tree_sum_ref
+from samebits.kernels.sample import race
 from samebits.kernels.softmax import log_softmax_ref
 from samebits.numerics import composite, scope
 
@@ -331,6 +332,21 @@ def _sample_fast_cuda(logits, temps, keys, random_row):
     return composite.sample_plain(logits, temps, keys, random_row, _multiply_by_reciprocals)
 
 
+_FUSED_RACE = _lazy("samebits.kernels.sample_triton", "race")
+
+
+def _race_cuda(lps, probs, scores, keys, random_row):
+    """The race over given probabilities: on CUDA one launch with the noise in registers
+    (`sample_triton.race`, the composite's bits: integer noise, IEEE division, libdevice log,
+    argmax's rules), else op by op (`kernels.sample.race`)."""
+    if triton_available():
+        from samebits.kernels.sample_triton import race_supported
+
+        if race_supported(probs):
+            return _FUSED_RACE(lps, probs, scores, keys, random_row)
+    return race(lps, probs, scores, keys, random_row)
+
+
 _FUSED_LOG_SOFTMAX = _lazy("samebits.kernels.sample_triton", "log_softmax")
 _LOG_SOFTMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -528,6 +544,9 @@ TABLE: dict[str, dict[str, dict[str, Callable]]] = {
         "cpu": {ANY: _sample_cpu},
         "cuda": {"exact": _sample_exact_cuda, "fast": _sample_fast_cuda},
     },
+    # the exponential race over given (narrowed, banned) probabilities: the sampler's rows with
+    # rules; on CUDA one launch (kernels/sample_triton.py), no order to keep (argmaxes, integers)
+    "race": {"cpu": {ANY: race}, "cuda": {ANY: _race_cuda}},
     "apply_rotary": {
         "cpu": {ANY: composite.apply_rotary},
         "cuda": {ANY: _apply_rotary_cuda},
