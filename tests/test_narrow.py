@@ -162,3 +162,34 @@ def test_top_logprobs_of_many_rows_are_each_rows_own_stable_order(device, monkey
     monkeypatch.setattr(sampler, "NARROW_ROWS", 29)
     assert lists(sampler.Tops.of(lps, asked)) == got
     assert got != want(flip=True)
+
+
+def test_requests_with_rules_sample_alone_as_in_a_batch_across_pass_edges(tiny, monkeypatch):
+    """40 requests decoded together (top-k, top-p, both, min_tokens' bans, top log-probs: more
+    rows with rules than one pass of NARROW_ROWS) give each request the tokens, log-probs and
+    top log-probs it gets alone. Control, the batching reason: passes that narrow every row
+    with its pass's first row's k and p (rows mixed up by the batch) change some request."""
+    from samebits import LLM, SamplingParams
+    from samebits.verify import make_prompts
+
+    def params(i):
+        return SamplingParams(
+            max_tokens=6, ignore_eos=True, seed=i, top_k=(-1, 3, 40)[i % 3], top_p=(1.0, 0.6, 0.95, 0.3)[i % 4],
+            min_tokens=(0, 5)[i % 2], logprobs=(None, 2)[i % 5 == 0],
+        )  # fmt: skip
+
+    llm = LLM(tiny, max_num_seqs=40, max_model_len=64)
+    prompts = make_prompts([5 + i % 7 for i in range(40)], llm.config.vocab_size, seed=4)
+
+    def outputs(reqs):
+        outs = llm.generate([prompts[i] for i in reqs], [params(i) for i in reqs], progress=False)
+        return [(o.token_ids, o.logprobs.tolist(), o.top_logprobs) for o in outs]
+
+    together = outputs(range(40))
+    alone = [outputs([i])[0] for i in range(40)]
+    assert together == alone
+    assert sampler.NARROW_ROWS < 40 and len({tuple(t) for t, _, _ in together}) > 30
+
+    real = sampler._narrow_pass
+    monkeypatch.setattr(sampler, "_narrow_pass", lambda p, ks, ps: real(p, ks[:1] * len(ks), ps[:1] * len(ps)))
+    assert outputs(range(40)) != together
