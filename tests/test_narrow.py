@@ -14,14 +14,18 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 def _spec(row: list[float], k: int, p: float) -> list[float]:
     """The rule in plain Python for one row: keep what is at least the k-th largest, then, in
-    descending order (ties by index), each token whose strictly better mass (counts of
-    2**-MASS_BITS, truncated) is below p times the mass top-k left."""
+    descending order (ties by index), each token whose strictly better mass is below p times
+    the mass top-k left, the mass counted in units of 2**-MASS_BITS of the row's largest power
+    of two (2**e > its largest value >= 2**(e-1)), truncated."""
+    import math
+
     vocab = len(row)
     kth = sorted(row, reverse=True)[min(k, vocab) - 1] if k != -1 else min(row)
     left = [x if x >= kth else 0.0 for x in row]
     if p >= 1.0:
         return left
-    counts = [int(x * 2**sampler.MASS_BITS) for x in left]  # x float32: the product is exact
+    exponent = math.frexp(max(left))[1]
+    counts = [int(x * 2.0 ** (sampler.MASS_BITS - exponent)) for x in left]  # exact products
     total = sum(counts)
     keep, before = [False] * vocab, 0
     for j in sorted(range(vocab), key=lambda j: (-left[j], j)):
@@ -45,14 +49,51 @@ def _params(n: int) -> tuple[list[int], list[float]]:
     return ks, ps
 
 
-def test_narrow_rows_is_the_rule_written_out():
+@pytest.mark.parametrize("top_k_only", [False, True])
+def test_narrow_rows_is_the_rule_written_out(top_k_only):
+    """Mixed rows, and rows that all ask top-k alone (the pass's `torch.topk` path, each row
+    its own k), equal the rule row by row."""
     probs = _rows(40, 300, seed=1)
     ks, ps = _params(40)
+    if top_k_only:
+        ks, ps = [(1, 5, 40, 299, 2)[i % 5] for i in range(40)], [1.0] * 40
     got = sampler.narrow_rows(probs, ks, ps)
     rows = zip(probs.tolist(), ks, ps, strict=True)
     want = torch.tensor([_spec(r, k, p) for r, k, p in rows], dtype=torch.float32)
     assert torch.equal(got, want)
     assert not torch.equal(got, probs)
+    assert sampler.narrow_rows(probs[:0], [], []).shape == (0, 300)
+
+
+def test_top_p_keeps_a_row_scaled_by_a_power_of_two_as_it_was():
+    """A row's nucleus is a property of its proportions: the same rows times 2**-10, -30, -50
+    (exact) keep the same tokens, as does a row whose likely token was banned (little mass left:
+    it still samples among many tokens). Control: the mass counted in absolute units of 2**-40
+    (not the row's own scale) keeps fewer tokens as the rows shrink, and the banned row then
+    samples one token whatever its seed."""
+    from samebits.engine.sampler import SampleRequest
+    from samebits.requests import SamplingParams
+
+    g = torch.Generator().manual_seed(2)
+    probs = torch.softmax(torch.randn(8, 1000, generator=g) * 2, dim=-1)
+    ps = [0.3, 0.5, 0.9, 0.99] * 2
+    kept = sampler.narrow_rows(probs, [-1] * 8, ps) > 0
+    logits = torch.randn(1, 1000, generator=g)
+    logits[0, 7] = 35.0  # eos-like: ~1 - 1e-12 of the mass, banned below
+    reqs = [SampleRequest(SamplingParams(top_p=0.9, seed=s), s, 0, banned=(7,)) for s in range(40)]
+
+    def shrinks_and_bans() -> tuple[int, int]:
+        changed = sum(
+            not torch.equal(sampler.narrow_rows(probs * 2.0**-k, [-1] * 8, ps) > 0, kept) for k in (10, 30, 50)
+        )
+        return changed, len({row[0] for row in sampler.sample(logits.expand(40, -1), reqs)})
+
+    changed, distinct = shrinks_and_bans()
+    assert changed == 0 and distinct > 20
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sampler, "_mass", lambda ordered: (ordered.double() * 2.0**40).to(torch.int64))
+        changed, distinct = shrinks_and_bans()
+    assert changed > 0 and distinct == 1
 
 
 def test_top_p_stops_at_the_first_token_whose_better_mass_reaches_p():
@@ -97,9 +138,10 @@ def _adversarial_p(probs: torch.Tensor, scan) -> list[float]:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_row_narrows_alone_as_in_any_batch(device, monkeypatch):
-    """70 rows (three passes of NARROW_ROWS) with mixed top-k/top-p, each narrowed alone, all in
-    one call, in reversed order and in passes of other sizes, under the device's own scan and
-    under a scan whose association follows the call's row count: every row the same.
+    """70 rows (three passes of NARROW_ROWS) with mixed top-k/top-p (some top-k alone, whose
+    tails fall below the mass's unit), each narrowed alone, all in one call, in reversed order
+    and in passes of other sizes, under the device's own scan and under a scan whose
+    association follows the call's row count: every row the same.
     Control: the same rows, p's and scans with the mass summed in float32 (no integer counts):
     some row keeps other tokens alone than in the batch."""
     vocab = 4096
@@ -109,6 +151,8 @@ def test_a_row_narrows_alone_as_in_any_batch(device, monkeypatch):
     ks, _ = _params(70)
     scan = _blocked_scan(lambda rows: 5 + 3 * rows)
     ps = _adversarial_p(probs.cpu().float(), scan)
+    for i in range(1, 70, 4):  # top-k alone (p = 1): `torch.topk` alone, the sort in the batch
+        ks[i], ps[i] = max(ks[i], 2), 1.0
 
     def arms():
         one = [sampler.narrow_rows(probs[i : i + 1], ks[i : i + 1], ps[i : i + 1]) for i in range(70)]

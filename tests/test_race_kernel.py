@@ -8,17 +8,20 @@ import pytest
 import torch
 
 
-def rows(vocab: int, n: int, seed: int, device: str) -> tuple[torch.Tensor, ...]:
-    """(lps, probs, scores, keys, random_row) with the cases the race must get right: narrowed
-    zeros, a first NaN, a row with nothing left, the last id, greedy rows, and (row 6) a tie
-    of two ids in two blocks."""
+def rows(vocab: int, n: int, seed: int, device: str, pad: int = 0) -> tuple[torch.Tensor, ...]:
+    """(lps, probs, scores, keys, random_row) on `device` with the cases the race must get
+    right: narrowed zeros, a first NaN, a row with nothing left, the last id, greedy rows, and
+    (row 6) a tie of two ids in two blocks, made with the device's own noise and division.
+    `pad` > 0: probs is a view of rows `pad` ids longer (a row stride other than V)."""
     from samebits.kernels.sample import exponential_noise
     from samebits.kernels.sample_triton import RACE_BLOCK
 
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, vocab, generator=g) * 3
     lps = torch.log_softmax(logits, dim=-1)
-    probs = lps.exp()
+    full = torch.zeros(n, vocab + pad)
+    probs = full[:, :vocab]
+    probs.copy_(lps.exp())
     probs[0, : vocab // 2] = 0.0  # narrowed away
     probs[1, 5], probs[1, vocab - 3] = float("nan"), float("nan")  # the first NaN wins, as in argmax
     probs[2] = 0.0  # nothing left: the best score
@@ -26,6 +29,8 @@ def rows(vocab: int, n: int, seed: int, device: str) -> tuple[torch.Tensor, ...]
     probs[3, vocab - 1] = 1.0  # only the last id, in the last (partial) block
     keys = torch.randint(0, 2**32, (n, 2), generator=g, dtype=torch.int64)
     random_row = torch.tensor([i % 5 != 4 for i in range(n)])  # every 5th row greedy
+    lps, logits, keys, random_row = (t.to(device) for t in (lps, logits, keys, random_row))
+    probs = full.to(device)[:, :vocab]
     if vocab > RACE_BLOCK + 7 and n > 6:  # ids 7 and RACE_BLOCK + 7 race the same ratio
         a, b = 7, RACE_BLOCK + 7
         noise = exponential_noise(keys[6:7], vocab)[0]
@@ -33,25 +38,31 @@ def rows(vocab: int, n: int, seed: int, device: str) -> tuple[torch.Tensor, ...]
         probs[6, a] = 0.5
         target = probs[6, a] / noise[a]
         pb = (target * noise[b]).reshape(1)
+        up, down = torch.ones(1, device=device), torch.zeros(1, device=device)
         for _ in range(64):  # step p_b by ulps until p_b / n_b rounds to the same ratio
             if pb / noise[b] == target:
                 break
-            pb = torch.nextafter(pb, torch.tensor([1.0 if pb / noise[b] < target else 0.0]))
+            pb = torch.nextafter(pb, up if pb / noise[b] < target else down)
         assert pb / noise[b] == target
         probs[6, b] = pb[0]
-    return tuple(t.to(device) for t in (lps, probs, logits, keys, random_row))
+    return lps, probs, logits, keys, random_row
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
 
 
 def check(device: str) -> None:
     from samebits.kernels import sample, sample_triton
 
     block = sample_triton.RACE_BLOCK
-    for vocab, n in ((20_000, 9), (151_936, 7), (100, 5), (2 * block, 7)):
-        lps, probs, scores, keys, random_row = rows(vocab, n, vocab, device)
+    for vocab, n, pad in ((20_000, 9, 0), (151_936, 7, 0), (100, 5, 0), (2 * block, 7, 0), (20_000, 9, 77)):
+        lps, probs, scores, keys, random_row = rows(vocab, n, vocab, device, pad)
+        assert probs.stride(0) == vocab + pad
         want = sample.race(lps, probs, scores, keys, random_row)
         got = sample_triton.race(lps, probs, scores, keys, random_row)
         assert torch.equal(got[0], want[0]), (vocab, got[0], want[0])
-        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0, equal_nan=True)  # bitwise, NaN = NaN
+        assert torch.equal(_bits(got[1]), _bits(want[1]))  # every bit, NaNs too
         assert want[0][1] == 5 and want[0][3] == vocab - 1
         if vocab > block + 7:
             assert want[0][6] == 7  # the lower id of the tie

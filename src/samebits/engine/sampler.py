@@ -58,17 +58,23 @@ def row_keys(seeds: list[int], output_indices: list[int]) -> torch.Tensor:
     return torch.from_numpy(keys.astype(np.int64)).view(-1, 2)
 
 
-# Top-p sums each row's probabilities in integers of 2**-MASS_BITS: integer sums are exact, so
-# a row's cumulative mass, and so its nucleus, is the same whatever order a kernel adds in
-# (a batched scan is another kernel than a single row's, and may associate differently).
-MASS_BITS = 40  # a row's mass ~2**40 stays exact in float64 (< 2**53) for the threshold compare
+# Top-p sums each row's probabilities as integers: counts of 2**-MASS_BITS of the row's largest
+# power of two (`_mass`). Integer sums are exact, so a row's cumulative mass, and so its nucleus,
+# is the same whatever order a kernel adds in (a batched scan is another kernel than a single
+# row's, and may associate differently); the scale follows the row's own largest value, so a
+# row left with little mass (its likely tokens banned) is counted as finely as any other.
+MASS_BITS = 32  # counts < 2**32 each: a row's sum < V * 2**32 < 2**53 (V < 2**21), exact in float64
 NARROW_ROWS = 32  # rows narrowed per pass: bounds the sort's [rows, V] temporaries
 
 
-def _mass(sorted_probs: torch.Tensor) -> torch.Tensor:
-    """probs [R, V] float32 in [0, 1] -> int64 counts of 2**-MASS_BITS (a power-of-two scale is
-    exact in float32, the cast truncates): element by element, so a row's counts are its own."""
-    return (sorted_probs * float(2**MASS_BITS)).to(torch.int64)
+def _mass(ordered: torch.Tensor) -> torch.Tensor:
+    """Rows [R, V] float32 >= 0 in descending order -> int64 counts: each value times
+    2**(MASS_BITS - e), where 2**e bounds the row's largest value (`frexp`), truncated. The
+    scale is made from its bits and the product is exact in float64, so each count is a
+    function of its row alone; a row of zeros counts 0."""
+    exponent = torch.frexp(ordered[:, :1]).exponent.to(torch.int64)  # largest = m * 2**e, m in [0.5, 1)
+    scale = ((MASS_BITS - exponent + 1023) << 52).view(torch.float64)  # 2**(MASS_BITS - e), exactly
+    return (ordered.double() * scale).to(torch.int64)
 
 
 def _cumsum(mass: torch.Tensor) -> torch.Tensor:
@@ -86,6 +92,8 @@ def narrow_rows(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> to
     is one number whichever kernel selects it (`torch.topk` or the sort), the sort is a
     permutation (stable), and the mass is summed in integers (`_mass`), exact in any order.
     Rows go in passes of NARROW_ROWS, a few launches each whatever they ask."""
+    if probs.shape[0] == 0:
+        return probs.clone()
     out = [
         _narrow_pass(probs[lo : lo + NARROW_ROWS], top_k[lo : lo + NARROW_ROWS], top_p[lo : lo + NARROW_ROWS])
         for lo in range(0, probs.shape[0], NARROW_ROWS)
@@ -104,7 +112,7 @@ def _narrow_pass(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
     kth = ordered.gather(1, kth_at)
     mass = _mass(torch.where(ordered >= kth, ordered, 0.0))  # what top-k leaves, in order
     through = _cumsum(mass)
-    before = (through - mass).double()  # < 2**53: exact
+    before = (through - mass).double()  # < 2**53 (MASS_BITS): exact
     p = to_device(torch.tensor(top_p, dtype=torch.float64)[:, None], probs.device)
     keep_ordered = (before < p * through[:, -1:].double()) | (p >= 1.0)
     keep = torch.empty_like(keep_ordered).scatter_(1, order, keep_ordered)
@@ -156,7 +164,7 @@ def _device_sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple:
         return (*sample_plain(logits, temps, keys, random_row), None)
     lps = reported_logprobs(logits, temps)  # [N, V] float32
     probs = lps.exp()
-    scores = logits.float()  # greedy rows and the underflow fallback choose by logit
+    scores = logits.to(torch.float32, copy=True)  # greedy rows and the fallback; bans write it
     rows = [i for i, req in enumerate(reqs) for _ in req.banned]
     if rows:  # every row's bans in one write each (a family's never-sampled ids are banned in all)
         at = to_device(torch.tensor([rows, [t for req in reqs for t in req.banned]]), logits.device)

@@ -359,12 +359,13 @@ def sample(
 
 
 def race_supported(probs: torch.Tensor) -> bool:
-    """2-D float32 CUDA probabilities of fewer than 2**31 ids, unit stride along the row."""
+    """2-D float32 CUDA probabilities with unit stride along the row, whose ids (int32, a whole
+    last block of RACE_BLOCK included) stay below 2**31 - 1."""
     return (
         probs.dim() == 2
         and (probs.is_cuda or _INTERPRET)
         and probs.dtype == torch.float32
-        and 0 < probs.shape[1] < _BIG.value
+        and 0 < probs.shape[1] <= _BIG.value - RACE_BLOCK
         and probs.stride(1) == 1
     )
 
