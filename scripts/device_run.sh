@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The GPU work queued for the next device session (docs/perf-notes.md, "Next device session"),
+# one phase a device call (each fits the 600 s a call may run):
+#
+#   bash scripts/device_run.sh tests-new   # the GPU tests of code changed since the last GPU run
+#   bash scripts/device_run.sh tests-all   # every GPU test
+#   bash scripts/device_run.sh sample      # benchmarks/narrow_rows.py: the sampler's rows with rules
+#   bash scripts/device_run.sh tiles       # decode GEMMs fed by TMA inside CUDA graphs
+#   bash scripts/device_run.sh prefill-ab  # the bench's prefill, async scheduling off / on / off
+#   bash scripts/device_run.sh bench       # samebits bench exact,fast at 1, 64 (and 256 on an H200)
+#   bash scripts/device_run.sh probe       # the 48-layer probe: 0 mismatches in every exact arm
+#
+# Run from the repository root on the device machine, with `.whl` carried (scripts/device_wheels.sh
+# fetches it here). Logs and JSONs go to $OUT (the device tool's folder that comes back).
+# The 48-layer random checkpoint is written once a machine to /dev/shm/q48 (~45-75 s).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+case "${1:-}" in
+tests-new | tests-all | sample | tiles | prefill-ab | bench | probe) ;;
+*)
+    sed -n 2,15p "$0"
+    exit 2
+    ;;
+esac
+OUT=${OUT:-/tmp/device-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD/src
+else
+    export PYTHONPATH=$PWD/src
+fi
+export PYTHONUNBUFFERED=1
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory >> 30, 'GiB')"
+big_gpu=$(python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory > (100 << 30)))")
+q48=/dev/shm/q48
+
+checkpoint() {
+    [ -f $q48/config.json ] || python3 -c "from pathlib import Path; from samebits.bench.core import write_random_checkpoint
+write_random_checkpoint(Path('$q48'), 48, seed=0)"
+}
+
+run() {  # run NAME CMD...: the command's output to the terminal and $OUT/NAME.log
+    local name=$1
+    shift
+    echo "== $name: $*"
+    "$@" 2>&1 | tee "$OUT/$name.log"
+}
+
+case "${1:-}" in
+tests-new)
+    run tests-new python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_race_kernel.py \
+        tests/test_narrow.py tests/test_sample_gpu.py tests/test_async_gpu.py \
+        tests/test_omni_gpu.py::test_deepstack_add_gives_the_thinker_bits_without_a_host_sync_on_cuda \
+        tests/test_gpu_experts_tiles.py tests/test_gpu.py tests/test_launch.py \
+        tests/test_gpu_kernels.py::test_slot_add_rms_norm_kernel_is_slot_sum_then_add_rms_norm_on_cuda
+    ;;
+tests-all)
+    run tests-all python3 -m pytest -q -m gpu -p no:cacheprovider tests
+    ;;
+sample)
+    run sample python3 benchmarks/narrow_rows.py --batches 1,64,256
+    ;;
+tiles)
+    run tiles python3 benchmarks/matmul_decode.py --ms 64,128,256 --shapes q+k+v,o_proj --configs "" \
+        --tma-configs "64,128,4,4;64,64,4,4;64,128,4,3;128,64,4,4;128,128,8,3;64,256,8,3"
+    ;;
+prefill-ab)
+    checkpoint
+    for arm in no-async-scheduling async-scheduling no-async-scheduling; do
+        run "prefill-$arm" python3 -m samebits.cli bench --model $q48 --arms exact --batches 64 \
+            --num-prompts 0 "--$arm" --out "$OUT/prefill-$arm"
+    done
+    ;;
+bench)
+    checkpoint
+    batches=1,64
+    [ "$big_gpu" = 1 ] && batches=1,64,256  # 256 sequences of 1k context at 48 layers need an H200
+    run bench python3 -m samebits.cli bench --model $q48 --arms exact,fast --batches $batches \
+        --num-prompts 0 --out "$OUT/bench"
+    ;;
+probe)
+    checkpoint
+    run probe python3 benchmarks/probe_real_shape.py --layers 48 --tokens 500 --dir $q48 --reuse \
+        --out "$OUT/probe.json"
+    ;;
+esac
