@@ -84,3 +84,80 @@ def test_control_rows_that_are_only_ever_extended_go_stale_after_a_preemption(ti
     monkeypatch.setattr(cuda_graphs.TableRows, "row", append_only)
     steps, differ, preemptions = _compare_every_decode_step(tiny)
     assert preemptions > 0 and differ > 0
+
+
+def _rules_outputs(llm) -> list[tuple]:
+    """Two plain requests and two with rules (top-p, top log-probs) that end first."""
+    prompts = [[(5 * i + j) % 200 + 1 for j in range(6 + 2 * i)] for i in range(4)]
+    params = [SamplingParams(max_tokens=20, ignore_eos=True, seed=i) for i in range(2)] + [
+        SamplingParams(max_tokens=14, ignore_eos=True, seed=2, top_p=0.8),
+        SamplingParams(max_tokens=14, ignore_eos=True, seed=3, logprobs=2),
+    ]
+    outs = llm.generate(prompts, params, progress=False)
+    return [(o.token_ids, o.logprobs.tolist(), o.top_logprobs) for o in outs]
+
+
+class _Replayed:
+    """A CUDA graph's stand-in on the CPU: `replay` recomputes the captured forward into the
+    outputs the capture returned, as a replay rewrites a graph's static outputs."""
+
+    def __init__(self, graphs: DecodeGraphs, size: int, sampled: bool, outs: tuple, stale: bool = False):
+        self.graphs, self.size, self.sampled, self.outs, self.stale = graphs, size, sampled, outs, stale
+
+    def replay(self) -> None:
+        if not self.stale:
+            for out, new in zip(self.outs, self.graphs._forward(self.size, self.sampled), strict=True):
+                out.copy_(new)
+
+
+def _graphed(tiny, monkeypatch, stale_rules_logits: bool = False):
+    """Requests with and without sampling rules decoded through `DecodeGraphs.run` on the CPU
+    (graphs stood in by `_Replayed`) -> (outputs, {(size, sampled)}, sample_plain calls in
+    the forwards that had rules rows)."""
+    from samebits.engine import sampler
+    from samebits.engine.llm import EngineConfig
+
+    with monkeypatch.context() as m:  # the runner makes its graphs (and their dummy block) as on CUDA
+        m.setattr(EngineConfig, "graph_sizes", lambda self: graph_sizes(self.max_num_seqs))
+        llm = LLM(tiny, **KW)
+    assert llm.runner.graphs is not None
+    calls = {True: 0, False: 0}
+    plain = cuda_graphs.sample_plain
+
+    def counted(*a):
+        calls[graphs_sampled[0]] += 1
+        return plain(*a)
+
+    graphs_sampled = [True]
+    forward = DecodeGraphs._forward
+
+    def tracked(self, size, sampled):
+        graphs_sampled[0] = sampled
+        return forward(self, size, sampled)
+
+    def capture(self, size, sampled):
+        outs = self._forward(size, sampled)
+        return _Replayed(self, size, sampled, outs, stale=stale_rules_logits and not sampled), outs
+
+    monkeypatch.setattr(cuda_graphs, "sample_plain", counted)
+    monkeypatch.setattr(DecodeGraphs, "_forward", tracked)
+    monkeypatch.setattr(DecodeGraphs, "_capture", capture)
+    monkeypatch.setattr(
+        sampler.Pending, "copying", lambda tokens, chosen, tops=None: sampler.Pending.done(
+            sampler._results(tokens, chosen, tops), tokens.device)
+    )  # fmt: skip
+    return _rules_outputs(llm), set(llm.runner.graphs.graphs), calls[False]
+
+
+def test_steps_with_sampling_rules_replay_a_graph_that_ends_at_the_logits(tiny, monkeypatch):
+    """A decode step whose rows have rules (top-p, top log-probs) replays its size's graph
+    without the fused sample (the rules path samples its logits), a step without them (once
+    the rules requests end) the one with it; the outputs are the eager engine's. Control: the
+    rules graph's logits left from an earlier replay (not recomputed) change the outputs."""
+    want = _rules_outputs(LLM(tiny, **KW))
+    got, keys, plain_in_rules_graphs = _graphed(tiny, monkeypatch)
+    assert got == want
+    assert {sampled for _, sampled in keys} == {True, False} and plain_in_rules_graphs == 0
+    monkeypatch.undo()
+    stale, _, _ = _graphed(tiny, monkeypatch, stale_rules_logits=True)
+    assert stale != want

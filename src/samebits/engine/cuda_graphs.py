@@ -9,7 +9,11 @@ position 0, write their K/V into a dummy cache block that no sequence owns and
 attend over that one key. Every kernel in the forward is batch invariant, so a
 real row's bits are the same in the padded graph as in an eager step of B rows
 (tested). Graphs are captured lazily, on the first step that needs a size, from
-static input buffers; `reset()` drops them (the KV cache moved).
+static input buffers; `reset()` drops them (the KV cache moved). A size has up to two
+graphs: one that ends in the fused plain sample, and one that ends at the logits, for
+steps whose rows have sampling rules (banned tokens, top-k/top-p, top log-probs: every
+Qwen3-Omni thinker step), which the sampler's rules path samples after the replay; each
+is captured the first time a step needs it.
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ class DecodeGraphs:
         self.q_len = torch.ones(n, dtype=torch.int32, device=dev)
         self.temps = torch.ones(n, dtype=torch.float32, device=dev)
         self.positions = None  # [N] or [3, N], the family's shape and dtype, made at the first fill
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        # (size, sampled) -> (graph, its outputs: (logits, tokens, chosen) or (logits,))
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.pool = None
         self.table_rows = TableRows(max_pages, dummy_block)
 
@@ -82,13 +87,14 @@ class DecodeGraphs:
         n = len(batch.chunks)
         if ahead is not None:  # the input ids: the previous step's samples, still on the device
             self.i64[0, :n] = ahead[1][self.i64[6, :n]]
-        if size not in self.graphs:
-            self.graphs[size] = self._capture(size)
-        graph, (logits, tokens, chosen) = self.graphs[size]
+        sampled = not needs_host_rules(reqs)  # else banned tokens, top-k/top-p, top log-probs
+        if (size, sampled) not in self.graphs:
+            self.graphs[size, sampled] = self._capture(size, sampled)
+        graph, outputs = self.graphs[size, sampled]
         graph.replay()
-        if needs_host_rules(reqs):  # banned tokens, top-k/top-p, top log-probs: the per-row path
-            return sample_pending(logits[:n], reqs)  # (on the logits, queued before the next replay)
-        return Pending.copying(tokens[:n], chosen[:n])
+        if not sampled:  # the rules path on the logits, queued before the next replay
+            return sample_pending(outputs[0][:n], reqs)
+        return Pending.copying(outputs[1][:n], outputs[2][:n])
 
     def _meta(self, size: int) -> AttentionBatch:
         return AttentionBatch(
@@ -102,23 +108,25 @@ class DecodeGraphs:
             block_size=self.runner.block_size,
         )
 
-    def _forward(self, size: int) -> tuple[torch.Tensor, ...]:
+    def _forward(self, size: int, sampled: bool) -> tuple[torch.Tensor, ...]:
         model = self.runner.model
         positions = self.positions[..., :size]
         hidden = model(self.i64[0, :size], positions, self._meta(size), self.runner.kv_caches)
         logits = model.compute_logits(hidden)
+        if not sampled:
+            return (logits,)
         keys = self.i64[3:5, :size].t()
         tokens, chosen = sample_plain(logits, self.temps[:size], keys, self.i64[5, :size] != 0)
         return logits, tokens, chosen
 
-    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
-        self._forward(size)  # compile every kernel for this size outside the capture
+    def _capture(self, size: int, sampled: bool) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
+        self._forward(size, sampled)  # compile every kernel for this size outside the capture
         torch.cuda.synchronize(self.runner.device)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
-            outs = self._forward(size)
+            outs = self._forward(size, sampled)
         return graph, outs
 
     def _fill(self, batch: ScheduledBatch, size: int, reqs: list[SampleRequest], ahead=None) -> None:
