@@ -12,8 +12,8 @@ real row's bits are the same in the padded graph as in an eager step of B rows
 static input buffers; `reset()` drops them (the KV cache moved). A size has up to two
 graphs: one that ends in the fused plain sample, and one that ends at the logits, for
 steps whose rows have sampling rules (banned tokens, top-k/top-p, top log-probs: every
-Qwen3-Omni thinker step), which the sampler's rules path samples after the replay; each
-is captured the first time a step needs it.
+step of a family that never samples some ids), which the sampler's rules path samples
+after the replay; each is captured the first time a step needs it.
 """
 
 from __future__ import annotations
