@@ -63,17 +63,20 @@ def matmul_ref(a, b, bias=None):
     return out if a.dtype == torch.float32 else out.to(a.dtype)
 '''
 
-# The k slots summed one after another in the order the experts are processed, heaviest
-# expert first: a token's order, and so its bits, depend on the other tokens' routing.
-BATCH_ORDER_TOPK_SUM = """
-    load = torch.bincount(flat, minlength=gate_up_proj.shape[0])  # MUTANT: the batch's expert loads
-    slot_order = torch.argsort(-load[top_k_index], dim=1, stable=True)  # [T, K]
-    ordered = torch.gather(weighted, 1, slot_order.unsqueeze(-1).expand(-1, -1, h))
-    total = ordered[:, 0]
-    for j in range(1, k):
-        total = total + ordered[:, j]
-    return total.to(hidden_states.dtype)
-"""
+# The k slots summed one after another, starting at a slot the batch's size picks (as a
+# kernel may pick its order by shape): a token's order, and so its bits, depend on how many
+# tokens share its call. The slot sum is `sum_slots_ref` (the trainer's experts and the
+# engine's slot sum in the next norm both close with it).
+BATCH_ORDER_TOPK_SUM = '''
+def sum_slots_ref(weighted, dtype):
+    """MUTANT: the top-k slots summed in turn from slot T mod K (T: the call's tokens)."""
+    k = weighted.shape[1]
+    order = [(j + weighted.shape[0]) % k for j in range(k)]
+    total = weighted[:, order[0]]
+    for j in order[1:]:
+        total = total + weighted[:, j]
+    return total.to(dtype)
+'''
 
 STOCK_ATTENTION = '''
 def _attend(q, k, v, q_pos, scale):
@@ -98,13 +101,7 @@ def _attend(q, k, v, q_pos, scale):
 
 MUTANTS = [
     Mutant("stock-gemm", "src/samebits/kernels/matmul.py", "matmul_ref", STOCK_GEMM),
-    Mutant(
-        "batch-order-topk-sum",
-        "src/samebits/kernels/experts.py",
-        "experts_ref",
-        BATCH_ORDER_TOPK_SUM,
-        old="    return tree_sum_ref(weighted, dim=1).to(hidden_states.dtype)\n",
-    ),
+    Mutant("batch-order-topk-sum", "src/samebits/kernels/experts.py", "sum_slots_ref", BATCH_ORDER_TOPK_SUM),
     Mutant("stock-attention", "src/samebits/kernels/attention.py", "_attend", STOCK_ATTENTION),
 ]
 
