@@ -52,7 +52,7 @@ run() {  # run NAME CMD...: the command's output to the terminal and $OUT/NAME.l
 case "${1:-}" in
 tests-new)
     run tests-new python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_race_kernel.py \
-        tests/test_narrow.py tests/test_sample_gpu.py tests/test_async_gpu.py \
+        tests/test_narrow.py tests/test_sample_gpu.py tests/test_async_gpu.py tests/test_omni_graphs_gpu.py \
         tests/test_omni_gpu.py::test_deepstack_add_gives_the_thinker_bits_without_a_host_sync_on_cuda \
         tests/test_gpu_experts_tiles.py tests/test_gpu.py tests/test_launch.py \
         tests/test_gpu_kernels.py::test_slot_add_rms_norm_kernel_is_slot_sum_then_add_rms_norm_on_cuda
