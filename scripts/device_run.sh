@@ -7,6 +7,7 @@
 #   bash scripts/device_run.sh sample      # benchmarks/narrow_rows.py: the sampler's rows with rules
 #   bash scripts/device_run.sh tiles       # decode GEMMs fed by TMA inside CUDA graphs
 #   bash scripts/device_run.sh prefill-ab  # the bench's prefill, async scheduling off / on / off
+#   bash scripts/device_run.sh budget      # the bench's prefill at 8192 / 16384 / 32768 tokens a step
 #   bash scripts/device_run.sh bench       # samebits bench exact,fast at 1, 64 (and 256 on an H200)
 #   bash scripts/device_run.sh probe       # the 48-layer probe: 0 mismatches in every exact arm
 #
@@ -16,9 +17,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-tests-new | tests-all | sample | tiles | prefill-ab | bench | probe) ;;
+tests-new | tests-all | sample | tiles | prefill-ab | budget | bench | probe) ;;
 *)
-    sed -n 2,15p "$0"
+    sed -n 2,16p "$0"
     exit 2
     ;;
 esac
@@ -72,6 +73,13 @@ prefill-ab)
     for arm in no-async-scheduling async-scheduling no-async-scheduling; do
         run "prefill-$arm" python3 -m samebits.cli bench --model $q48 --arms exact --batches 64 \
             --num-prompts 0 "--$arm" --out "$OUT/prefill-$arm"
+    done
+    ;;
+budget)
+    checkpoint
+    for tokens in 8192 16384 32768; do
+        run "budget-$tokens" python3 -m samebits.cli bench --model $q48 --arms exact --batches 64 \
+            --num-prompts 0 --max-num-batched-tokens $tokens --out "$OUT/budget-$tokens"
     done
     ;;
 bench)

@@ -72,3 +72,22 @@ def test_row_log_rewrites_its_json_after_every_row(tmp_path):
     quiet = RowLog(None, device="cpu")
     quiet.add({"arm": "a"})
     assert quiet.rows == [{"arm": "a"}] and sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]
+
+
+def test_engine_limits_take_the_budget_and_size_the_prefill_phase_by_it():
+    """A given budget reaches the engine; the prefill phase at a small budget is longer, so the
+    sequences' room (max_model_len) grows with it. Without one the engine keeps its default."""
+    default = bench.engine_limits((64,), 1024, 64, None)
+    small = bench.engine_limits((64,), 1024, 64, None, max_num_batched_tokens=1024)
+    large = bench.engine_limits((64,), 1024, 64, None, max_num_batched_tokens=32768)
+    assert "max_num_batched_tokens" not in default
+    assert small["max_num_batched_tokens"] == 1024 and large["max_num_batched_tokens"] == 32768
+    assert small["max_model_len"] > default["max_model_len"] >= large["max_model_len"]
+
+
+def test_bench_cli_refuses_a_bad_budget(tmp_path, capsys):
+    from samebits.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--dir", str(tmp_path / "ckpt"), "--max-num-batched-tokens", "0"])
+    assert exit_.value.code == 2 and "--max-num-batched-tokens" in capsys.readouterr().err

@@ -379,6 +379,7 @@ def _bench(args) -> int:
         generate_steps=args.generate_steps,
         rollout=rollout,
         async_scheduling=args.async_scheduling,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         on_progress=partial,
     )
     result.rl_step = rl_step
@@ -458,6 +459,13 @@ def _add_bench(sub) -> None:
         default=None,
         help="the engine's async scheduling (default: the engine's, on for CUDA); run once with "
         "each to price the host loop",
+    )
+    b.add_argument(
+        "--max-num-batched-tokens",
+        type=cli_checks.positive_int,
+        default=None,
+        help="the engine's token budget a step (default: the engine's, max(max_model_len, 8192) on "
+        "CUDA); run with several to pick the prefill's",
     )
     b.add_argument(
         "--out", default="bench-out", type=cli_checks.writable_dir, help="output folder (default bench-out)"

@@ -227,14 +227,25 @@ def measure_rollout_arm(llm, arm: str, rollout: tuple[int, int, int], log=print)
     return {**r.__dict__, "output_tok_s": r.output_tok_s}
 
 
-def engine_limits(batches, context: int, generate_steps: int, rollout: tuple[int, int, int] | None) -> dict:
-    """max_num_seqs and max_model_len that every engine measurement fits in (no preemption)."""
+def engine_limits(
+    batches,
+    context: int,
+    generate_steps: int,
+    rollout: tuple[int, int, int] | None,
+    max_num_batched_tokens: int | None = None,
+) -> dict:
+    """max_num_seqs and max_model_len that every engine measurement fits in (no preemption),
+    and the step's token budget when one is given."""
     seqs = max((*batches, rollout[0] if rollout else 1))
     max_len = max(context + 16, rollout[1] + rollout[2] if rollout else 1)
     if generate_steps:  # the default budget is max(max_model_len, 2048 on the CPU, 8192 on CUDA):
         # the smaller one makes the longer prefill phase, so this bound holds on both
-        max_len = max(max_len, generate_max_len(context, batches, generate_steps, max(max_len, 2048)))
-    return {"max_num_seqs": seqs, "max_model_len": max_len}
+        budget = max_num_batched_tokens or max(max_len, 2048)
+        max_len = max(max_len, generate_max_len(context, batches, generate_steps, budget))
+    limits = {"max_num_seqs": seqs, "max_model_len": max_len}
+    if max_num_batched_tokens is not None:
+        limits["max_num_batched_tokens"] = max_num_batched_tokens
+    return limits
 
 
 def _ms(v: float | None) -> str:
@@ -291,11 +302,13 @@ def run(
     rollout: tuple[int, int, int] | None = (256, 1024, 1024),
     log=print,
     async_scheduling: bool | None = None,
+    max_num_batched_tokens: int | None = None,
     on_progress=None,
 ) -> BenchResult:
     """Run the chosen arms on CUDA. `generate_steps`: decode steps timed through `generate`
     per point (0: none, nor prefill); `rollout`: (requests, prompt tokens, new tokens), run on
-    each engine arm, or None; `async_scheduling`: the engine's option (None: its default).
+    each engine arm, or None; `async_scheduling`, `max_num_batched_tokens`: the engine's
+    options (None: its defaults).
     `on_progress(result)`: called with the result so far after each arm's decode points, each
     rollout, transformers' points and the trainer's (the CLI writes bench.json then, so a run
     stopped part way keeps what it measured)."""
@@ -313,9 +326,10 @@ def run(
     engine_arms = [a for a in arms if a in PROFILES]
     if engine_arms:
         t0 = time.perf_counter()
-        limits = engine_limits(batches, context, generate_steps, rollout)
+        limits = engine_limits(batches, context, generate_steps, rollout, max_num_batched_tokens)
         llm = LLM(model, device="cuda", async_scheduling=async_scheduling, **limits)
         result.meta["async_scheduling"] = llm.core.async_scheduling
+        result.meta["max_num_batched_tokens"] = llm.engine.resolved_batched_tokens()
         log(f"engine built in {time.perf_counter() - t0:.0f} s")
         for arm in engine_arms:
             result.rows += measure_engine_arm(llm, arm, batches, context, steps, generate_steps, bw, log)
