@@ -355,6 +355,7 @@ def test_a_run_stopped_part_way_keeps_what_it_measured(tmp_path, monkeypatch):
     class Engine:
         def __init__(self, model, **kw):
             self.core = type("Core", (), {"async_scheduling": True})()
+            self.engine = type("Config", (), {"resolved_batched_tokens": lambda self: 8192})()
 
     monkeypatch.setattr("samebits.engine.llm.LLM", Engine)
     monkeypatch.setattr(
