@@ -297,7 +297,7 @@ def test_a_length_finish_admits_the_waiting_sequence_in_the_step_planned_ahead(t
 
 
 def _admitting(vocab: int):
-    """Plain rows (no host rules, so steps run ahead), n = 2 on a shared prompt, ends by
+    """Plain rows (no sampling rules), n = 2 on a shared prompt, ends by
     length and by stop tokens: waiting requests are admitted beside decoding ones."""
     stops = list(range(1, vocab, 29))
     return [

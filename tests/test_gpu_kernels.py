@@ -393,7 +393,7 @@ def test_cuda_graph_decode_equals_eager(tmp_path, monkeypatch):
     path = build_tiny_checkpoint(tmp_path / "t", seed=2)
     prompts = make_prompts((5, 9, 17, 3, 11), 384, seed=1)  # the tiny vocabulary
     params = [SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True, seed=4)] * 3 + [
-        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=48, min_tokens=40, seed=5),  # host rules
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=48, min_tokens=40, seed=5),  # sampling rules
         SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
     ]
     runs = {}

@@ -26,7 +26,7 @@ import torch
 from samebits.engine.sampler import (
     Pending,
     SampleRequest,
-    needs_host_rules,
+    has_sampling_rules,
     row_inputs,
     sample_pending,
     sample_plain,
@@ -87,7 +87,7 @@ class DecodeGraphs:
         n = len(batch.chunks)
         if ahead is not None:  # the input ids: the previous step's samples, still on the device
             self.i64[0, :n] = ahead[1][self.i64[6, :n]]
-        sampled = not needs_host_rules(reqs)  # else banned tokens, top-k/top-p, top log-probs
+        sampled = not has_sampling_rules(reqs)  # else banned tokens, top-k/top-p, top log-probs
         if (size, sampled) not in self.graphs:
             self.graphs[size, sampled] = self._capture(size, sampled)
         graph, outputs = self.graphs[size, sampled]

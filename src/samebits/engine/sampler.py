@@ -119,9 +119,9 @@ def _narrow_pass(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
     return torch.where(keep & (probs >= kth), probs, 0.0)
 
 
-def needs_host_rules(reqs: list[SampleRequest]) -> bool:
-    """Whether some row bans tokens, narrows by top-k/top-p or asks for top log-probs
-    (per-row work beyond `race`)."""
+def has_sampling_rules(reqs: list[SampleRequest]) -> bool:
+    """Whether some row bans tokens, narrows by top-k/top-p or asks for top log-probs: the
+    rules path (`_device_sample`) instead of the fused plain sample."""
     return any(r.banned or r.params.logprobs or (r.params.temperature > 0 and _narrows(r.params)) for r in reqs)
 
 
@@ -160,12 +160,13 @@ def _device_sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple:
     log-probs), all on the logits' device: the plain race (`sample_plain`) when no row
     narrows, else the per-row path over the log-softmax rows (bans, `narrow_rows`, the race)."""
     temps, keys, random_row = (to_device(t, logits.device) for t in row_inputs(reqs))
-    if not needs_host_rules(reqs):
+    if not has_sampling_rules(reqs):
         return (*sample_plain(logits, temps, keys, random_row), None)
     lps = reported_logprobs(logits, temps)  # [N, V] float32
     probs = lps.exp()
-    scores = logits.to(torch.float32, copy=True)  # greedy rows and the fallback; bans write it
     rows = [i for i, req in enumerate(reqs) for _ in req.banned]
+    # greedy rows and the underflow fallback choose by logit; a copy where bans write into it
+    scores = logits.to(torch.float32, copy=bool(rows))
     if rows:  # every row's bans in one write each (a family's never-sampled ids are banned in all)
         at = to_device(torch.tensor([rows, [t for req in reqs for t in req.banned]]), logits.device)
         probs[at[0], at[1]] = 0.0
