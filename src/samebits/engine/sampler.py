@@ -140,7 +140,7 @@ def row_inputs(reqs: list[SampleRequest]) -> tuple[torch.Tensor, torch.Tensor, t
 
 def sample_pending(logits: torch.Tensor, reqs: list[SampleRequest]) -> Pending:
     """`sample`'s rows as a `Pending`: on CUDA every row is sampled by device ops (banned
-    tokens, top-k/top-p and top log-probs included: the per-row path is device ops too) and
+    tokens, top-k/top-p and top log-probs included: the rules path is device ops too) and
     the host does not wait for them here (a step under async scheduling, engine/core.py); on
     the CPU the results at once."""
     tokens, chosen, tops = _device_sample(logits, reqs)
@@ -157,8 +157,9 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> list[tuple]:
 
 def _device_sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple:
     """-> tokens [N], their reported log-probs [N] and `Tops` (None when no row asks for top
-    log-probs), all on the logits' device: the plain race (`sample_plain`) when no row
-    narrows, else the per-row path over the log-softmax rows (bans, `narrow_rows`, the race)."""
+    log-probs), all on the logits' device: the plain race (`sample_plain`) when no row has
+    sampling rules, else the rules path over the log-softmax rows (bans, `narrow_rows`, the
+    race, `Tops`)."""
     temps, keys, random_row = (to_device(t, logits.device) for t in row_inputs(reqs))
     if not has_sampling_rules(reqs):
         return (*sample_plain(logits, temps, keys, random_row), None)
@@ -175,8 +176,8 @@ def _device_sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple:
     if narrowed:  # every narrowed row in a few batched passes (`narrow_rows`)
         at = to_device(torch.tensor(narrowed), logits.device)
         picked = [reqs[i].params for i in narrowed]
-        rows = narrow_rows(probs.index_select(0, at), [q.top_k for q in picked], [q.top_p for q in picked])
-        probs.index_copy_(0, at, rows)
+        kept = narrow_rows(probs.index_select(0, at), [q.top_k for q in picked], [q.top_p for q in picked])
+        probs.index_copy_(0, at, kept)
     tokens, chosen = race(lps, probs, scores, keys, random_row)
     asked = [(i, req.params.logprobs) for i, req in enumerate(reqs) if req.params.logprobs]
     return tokens, chosen, Tops.of(lps, asked) if asked else None
