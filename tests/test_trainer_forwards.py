@@ -47,7 +47,7 @@ def test_every_linear_norm_and_router_changed_once(pair):
         isinstance(m, torch.nn.Linear) for layer in fast.model.layers for m in layer.mlp.modules()
     )
     assert not any(isinstance(m, forwards._Swapped) for m in plain.modules())
-    assert forwards.use_samebits_forwards(fast) == 0  # idempotent
+    assert trainer.use_samebits_forwards(fast) == 0  # idempotent
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -108,7 +108,7 @@ def test_other_rms_norms_are_left_alone():
             return (h * (1.0 + self.weight.float())).to(hidden_states.dtype)
 
     model = torch.nn.Sequential(GemmaStyleRMSNorm(8), torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(4, 2))
-    assert forwards.use_samebits_forwards(model) == 1  # the bias-free linear only
+    assert trainer.use_samebits_forwards(model) == 1  # the bias-free linear only
     assert type(model[0]) is GemmaStyleRMSNorm and type(model[2]) is torch.nn.Linear
 
 

@@ -64,7 +64,8 @@ def load_sharded_trainer(
 
     from samebits import trainer
 
-    host = AutoModelForCausalLM.from_pretrained(path, dtype="auto")  # checkpoint dtype, on the host
+    host = AutoModelForCausalLM.from_pretrained(path, dtype="auto", use_kernels=False)  # checkpoint dtype, host
+    trainer.check_transformers_numerics(host)  # before the build: this transformers has the engine's bits
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             host.config,
@@ -86,7 +87,7 @@ def load_sharded_trainer(
     del host, source
     trainer.reset_rotary_inv_freq(model)
     if samebits_forwards:
-        trainer.use_samebits_forwards(model)
+        trainer.use_samebits_forwards(model, check=False)  # checked on the host copy above
     model.eval()
     return model
 

@@ -1,7 +1,8 @@
 """The transformers side: samebits experts/attention registered, teacher-forced log-probs."""
 
 from samebits.trainer.checkpointing import checkpoint_context
-from samebits.trainer.forwards import use_samebits_forwards
+from samebits.trainer.drift import TransformersDriftError, check_transformers_numerics
+from samebits.trainer.hub_kernels import HubKernelError
 from samebits.trainer.logprobs import (
     RotaryMismatchError,
     check_rotary_inv_freq,
@@ -11,13 +12,17 @@ from samebits.trainer.logprobs import (
 )
 from samebits.trainer.omni import load_hf_thinker
 from samebits.trainer.registration import register
+from samebits.trainer.swap import use_samebits_forwards
 
 register()
 
 __all__ = [
+    "HubKernelError",
     "RotaryMismatchError",
+    "TransformersDriftError",
     "checkpoint_context",
     "check_rotary_inv_freq",
+    "check_transformers_numerics",
     "load_hf_model",
     "load_hf_thinker",
     "register",

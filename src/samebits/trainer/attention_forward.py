@@ -129,7 +129,11 @@ def _parts_as_swapped(self) -> bool:
 
 def attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
     """transformers' `Qwen3MoeAttention.forward` -> (output, None): `_AttentionBlock` where it
-    has the module's bits (module docstring), the module's own forward otherwise."""
+    has the module's bits (module docstring), the module's own forward otherwise. The KV cache
+    comes as `past_key_values` (transformers < 5.24) or `cache` (5.24 renamed it); it goes on
+    to the module's own forward as its fourth argument, which is either name."""
+    if past_key_values is None:
+        past_key_values = kwargs.pop("cache", None)
     cos, sin = position_embeddings
     if not _parts_as_swapped(self):
         return self._samebits_base.forward(

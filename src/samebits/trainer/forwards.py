@@ -3,9 +3,9 @@
 Inside `batch_invariant()` a transformers RMSNorm is eight aten ops, its mean routed through the
 overrides' Python wrapper to the tree sum, and a linear is aten's `linear` -> `mm` -> the
 wrapper -> the row-invariant matmul. The trainer is bound by that host work at RL micro-batch
-sizes (docs/perf-notes.md, "The trainer is host-bound"). `use_samebits_forwards(model)` swaps
-each such module's class for a subclass whose forward calls what the overrides would reach,
-directly:
+sizes (docs/perf-notes.md, "The trainer is host-bound"). `use_samebits_forwards(model)`
+(`trainer/swap.py`, which picks the modules) swaps each such module's class for a subclass
+whose forward calls what the overrides would reach, directly:
 
 - a bias-free `nn.Linear`: the registry's row-invariant `matmul(x, w.T)`, the very call the
   `mm` override makes for `F.linear`;
@@ -28,7 +28,6 @@ softmax/renorm chain rule on the saved logits.
 from __future__ import annotations
 
 import copyreg
-import types
 
 import torch
 from torch import nn
@@ -141,40 +140,6 @@ def _swapped_class(cls: type, forward) -> type:
     return _SWAPPED_CLASSES[cls]
 
 
-def _reference_codes() -> dict[str, types.CodeType]:
-    from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
-
-    return {
-        "norm": hf.Qwen3MoeRMSNorm.forward.__code__,
-        "router": hf.Qwen3MoeTopKRouter.forward.__code__,
-        "attention": hf.Qwen3MoeAttention.forward.__code__,
-        "rotary": hf.apply_rotary_pos_emb.__code__,
-        "rotate_half": hf.rotate_half.__code__,
-    }
-
-
-def _same_code(code, reference: types.CodeType) -> bool:
-    return code is not None and (code.co_code, code.co_consts, code.co_names) == (
-        reference.co_code,
-        reference.co_consts,
-        reference.co_names,
-    )
-
-
-def _same_forward(module: nn.Module, reference: types.CodeType, attrs: dict) -> bool:
-    """A module whose forward is `reference`, byte for byte (the modular converter copies
-    transformers' Qwen3 modules into each model family's file under the family's class names),
-    holding the attributes that forward reads."""
-    forward = type(module)._samebits_base.forward if isinstance(module, _Swapped) else type(module).forward
-    return _same_code(getattr(forward, "__code__", None), reference) and all(
-        isinstance(getattr(module, a, None), t) for a, t in attrs.items()
-    )
-
-
-_NORM_ATTRS = {"weight": torch.Tensor, "variance_epsilon": float}
-_ROUTER_ATTRS = {"weight": torch.Tensor, "top_k": int, "hidden_dim": int, "norm_topk_prob": bool}
-
-
 class _Router(torch.autograd.Function):
     """A router's linear and routing in one node: hidden [T, H], weight [E, H] -> (logits [T, E],
     weights [T, K] in the logits' dtype, indices [T, K]). Forward: the row-invariant matmul, then
@@ -235,50 +200,3 @@ def _router_forward(self, hidden_states: torch.Tensor):
         return _Router.apply(hidden_states, self.weight, self.top_k, self.norm_topk_prob)
     logits = _matmul(hidden_states, self.weight)
     return (logits, *pick("router", logits.device.type)(logits, self.top_k, self.norm_topk_prob))
-
-
-_ATTENTION_ATTRS = {"head_dim": int, "scaling": float, "attention_dropout": (int, float), "config": object}
-
-
-def _qwen3_attention(module: nn.Module, codes: dict[str, types.CodeType]) -> bool:
-    """transformers' Qwen3 attention forward (by code object, the rotary it calls too) over
-    bias-free linears and Qwen3 RMSNorms of one epsilon: what `attention_forward` replaces."""
-    if not _same_forward(module, codes["attention"], _ATTENTION_ATTRS):
-        return False
-    names = type(module).forward.__globals__
-    rotary, rotate = names.get("apply_rotary_pos_emb"), names.get("rotate_half")
-    linears = [getattr(module, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    norms = [getattr(module, n, None) for n in ("q_norm", "k_norm")]
-    return (
-        _same_code(getattr(rotary, "__code__", None), codes["rotary"])
-        and _same_code(getattr(rotate, "__code__", None), codes["rotate_half"])
-        and all(isinstance(m, nn.Linear) and m.bias is None for m in linears)
-        and all(isinstance(m, nn.Module) and _same_forward(m, codes["norm"], _NORM_ATTRS) for m in norms)
-        and norms[0].variance_epsilon == norms[1].variance_epsilon
-    )
-
-
-def use_samebits_forwards(model: nn.Module) -> int:
-    """Give every bias-free `nn.Linear`, Qwen3-form RMSNorm and router in `model` samebits' forward
-    (module docstring) by swapping its class for a subclass -> how many modules changed.
-    Idempotent; parameters, buffers and hooks are untouched; `torch.save` and `copy` give the
-    transformers classes back."""
-    codes = _reference_codes()
-    changed = 0
-    for module in model.modules():
-        if isinstance(module, _Swapped):
-            continue
-        if type(module) is nn.Linear and module.bias is None:
-            module.__class__ = SamebitsLinear
-        elif _same_forward(module, codes["norm"], _NORM_ATTRS):
-            module.__class__ = _swapped_class(type(module), _rms_norm_forward)
-        elif _same_forward(module, codes["router"], _ROUTER_ATTRS):
-            module.__class__ = _swapped_class(type(module), _router_forward)
-        elif _qwen3_attention(module, codes):
-            from samebits.trainer.attention_forward import attention_forward  # it imports this module
-
-            module.__class__ = _swapped_class(type(module), attention_forward)
-        else:
-            continue
-        changed += 1
-    return changed

@@ -10,9 +10,12 @@ from transformers import AutoModelForCausalLM
 
 from samebits.model.families import family_for
 from samebits.numerics.ops import rotary_inv_freq
+from samebits.trainer import line
 from samebits.trainer.checks import from_pretrained_checked
-from samebits.trainer.forwards import use_samebits_forwards
+from samebits.trainer.drift import check_transformers_numerics
+from samebits.trainer.hub_kernels import refuse_hub_kernels
 from samebits.trainer.registration import remember_packings
+from samebits.trainer.swap import use_samebits_forwards
 
 
 class RotaryMismatchError(RuntimeError):
@@ -71,16 +74,20 @@ def load_hf_model(
 ):
     """A transformers model with samebits experts and attention, rotary checked. `path`: a
     checkpoint directory or a hub id in the local HF cache; a checkpoint the engine would
-    refuse is refused here too (`trainer/checks.py`). `samebits_forwards`: its linears and
+    refuse is refused here too (`trainer/checks.py`), hub kernels are kept out
+    (`trainer/hub_kernels.py`) and a transformers that no longer computes the engine's bits
+    is refused by name (`trainer/drift.py`). `samebits_forwards`: its linears and
     RMSNorms run samebits' forwards (same bits, less host time: `trainer/forwards.py`)."""
     kwargs.setdefault("experts_implementation", "samebits")
     kwargs.setdefault("attn_implementation", "samebits")
     if torch.device(device).type == "cuda":  # straight to the GPU: no full copy in host memory
         kwargs.setdefault("device_map", str(device))
+    refuse_hub_kernels(kwargs)
     model = from_pretrained_checked(AutoModelForCausalLM, path, dtype=dtype, **kwargs).to(device)
     reset_rotary_inv_freq(model)
+    check_transformers_numerics(model)  # this transformers computes the engine's bits (trainer/drift.py)
     if samebits_forwards:
-        use_samebits_forwards(model)
+        use_samebits_forwards(model, check=False)
     model.eval()
     return model
 
@@ -119,6 +126,7 @@ def token_logprobs(
     family = family_for(model.config)  # positions and extra inputs per family (model/family.py)
     prompts = family.trainer_prompts(sequences, prompt_lens, multimodal)
     check_rotary_inv_freq(family.trainer_decoder(model))
+    check_transformers_numerics(model)  # once per model; a user's own model too (trainer/drift.py)
     temp = 1.0 if temperature == 0 else float(temperature)
     device = next(model.parameters()).device
     groups = [list(range(len(sequences)))] if packed else [[i] for i in range(len(sequences))]
@@ -139,7 +147,7 @@ def token_logprobs(
                 rows = logits[offset + p - 1 : offset + n - 1]  # [n - p, V]
                 targets = ids[offset + p : offset + n]
                 if logprob_fn is None:
-                    lp = torch.log_softmax(rows.float() / temp, dim=-1)  # the trainer's line: reported_logprobs
+                    lp = line.trainer_logprobs(rows, temp)  # the trainer's line: reported_logprobs
                 else:
                     lp = logprob_fn(rows)
                 out[i] = lp.gather(-1, targets[:, None])[:, 0]

@@ -12,7 +12,9 @@ import torch
 from samebits.model.config import check_checkpoint_config
 from samebits.model.omni import ENCODER_ATTENTION, reset_encoder_buffers
 from samebits.numerics.ops import rotary_inv_freq
-from samebits.trainer.forwards import use_samebits_forwards
+from samebits.trainer.drift import check_transformers_numerics
+from samebits.trainer.hub_kernels import refuse_hub_kernels
+from samebits.trainer.swap import use_samebits_forwards
 
 TEXT_ATTENTION = {"": "samebits", "text_config": "samebits"}
 
@@ -36,11 +38,12 @@ def load_hf_thinker(
             "audio_config": ENCODER_ATTENTION,
         }
     model = Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained(
-        path, dtype=dtype, attn_implementation=attn, **kwargs
+        path, dtype=dtype, attn_implementation=attn, **refuse_hub_kernels(kwargs)
     ).to(device)
     reset_thinker_buffers(model)
+    check_transformers_numerics(model)  # trainer/drift.py
     if samebits_forwards:
-        use_samebits_forwards(model)
+        use_samebits_forwards(model, check=False)
     return model.eval()
 
 
