@@ -212,7 +212,9 @@ def test_a_hub_kernel_over_a_norm_is_switched_back_with_a_warning(tiny):
     norm.forward = types.MethodType(_liger_like, norm)  # what kernels' _replace_forward sets
     norm.__dict__["_kernel_repo"] = "kernels-community/liger-kernels"
     assert not torch.equal(_logits(model), clean)  # the kernel changes the bits: switching back matters
-    with pytest.warns(UserWarning, match=r"model\.layers\.0\.input_layernorm \(kernels-community/liger-kernels\)"):
+    with pytest.warns(
+        UserWarning, match=r"model\.layers\.0\.input_layernorm \(kernels-community/liger-kernels\)"
+    ):
         trainer.check_transformers_numerics(model)
     assert "forward" not in norm.__dict__ and "_kernel_repo" not in norm.__dict__
     assert torch.equal(_logits(model), clean)
@@ -230,7 +232,9 @@ def test_a_hub_kernel_over_the_rotary_function_is_switched_back_with_a_warning(t
     func.forward = _rotary_rounded_once
     func.__dict__["_kernel_repo"] = "kernels-community/rotary"
     attn.__dict__["_kernel_funcs"] = {"apply_rotary_pos_emb": func}
-    with pytest.warns(UserWarning, match=r"layers\.1\.self_attn\.apply_rotary_pos_emb \(kernels-community/rotary\)"):
+    with pytest.warns(
+        UserWarning, match=r"layers\.1\.self_attn\.apply_rotary_pos_emb \(kernels-community/rotary\)"
+    ):
         trainer.check_transformers_numerics(model)
     assert "forward" not in func.__dict__ and "_kernel_repo" not in func.__dict__
 
