@@ -15,6 +15,8 @@ called as it was), so entering per step costs a counter, and other threads are u
 | aten op                                     | inside `batch_invariant()`                          |
 |---------------------------------------------|-----------------------------------------------------|
 | mm, addmm (alpha=beta=1), bmm               | row-invariant GEMM (CPU `matmul_ref`, CUDA Triton)  |
+| mm.out, addmm.out, addmm_, the out_dtype=   | the same GEMM, copied into `out` (TRL's fused head: |
+|   overloads (mm/addmm .dtype, .dtype_out)   |   `mm(out=tile)`, `addmm(out_dtype=fp32, out=acc)`) |
 | mv, dot                                     | the same GEMM with N=1                              |
 | _softmax, _log_softmax                      | max, exp, tree sum over the dim (fp32)              |
 | _log_softmax on CUDA: last dim 4097-524288  | the same bits in 4 fused launches (`sample_triton`; |

@@ -11,6 +11,7 @@ overrides route to the row-invariant matmul.
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,9 @@ from samebits.kernels.softmax import softmax_ref
 from samebits.numerics import registry
 
 _LOW = (torch.bfloat16, torch.float16)
+# set while a covered GEMM runs: `matmul_ref` itself multiplies with `torch.mm(..., out=)`,
+# which must then reach the stock kernel, not the `mm.out` override again
+_in_gemm = threading.local()
 
 
 def _dims(x: torch.Tensor, dim) -> list[int]:
@@ -65,6 +69,43 @@ class Covered:
 
     def bmm(self, a, b):
         return self.bmm_kernel(a, b)
+
+    # GEMMs into a given tensor (`out=`, in place, `out_dtype=`): TRL's fused-head tiles
+    # (`torch.mm(..., out=tile)`) and its backward's fp32 accumulations (`addmm(..., out=acc)`)
+
+    def _into(self, out, gemm, *args, **kwargs):
+        if getattr(_in_gemm, "on", False):
+            return NotImplemented  # matmul_ref's own stock `mm(out=)`
+        _in_gemm.on = True
+        try:
+            result = gemm(*args, **kwargs)
+        finally:
+            _in_gemm.on = False
+        if out.shape != result.shape:
+            out.resize_(result.shape)
+        return out.copy_(result)
+
+    def mm_out(self, a, b, *, out):
+        return self._into(out, self.matmul, a, b)
+
+    def mm_dtype(self, a, b, out_dtype):
+        return self.matmul(a.to(out_dtype), b.to(out_dtype))
+
+    def mm_dtype_out(self, a, b, out_dtype, *, out):
+        return self._into(out, self.mm_dtype, a, b, out_dtype)
+
+    def addmm_out(self, bias, a, b, *, beta=1, alpha=1, out):
+        return self._into(out, self.addmm, bias, a, b, beta=beta, alpha=alpha)
+
+    def addmm_inplace(self, bias, a, b, *, beta=1, alpha=1):
+        return self._into(bias, self.addmm, bias, a, b, beta=beta, alpha=alpha)
+
+    def addmm_dtype(self, bias, a, b, out_dtype, *, beta=1, alpha=1):
+        """`addmm(..., out_dtype=)` (bf16 inputs, fp32 result): the GEMM of the widened inputs."""
+        return self.addmm(bias.to(out_dtype), a.to(out_dtype), b.to(out_dtype), beta=beta, alpha=alpha)
+
+    def addmm_dtype_out(self, bias, a, b, out_dtype, *, beta=1, alpha=1, out):
+        return self._into(out, self.addmm_dtype, bias, a, b, out_dtype, beta=beta, alpha=alpha)
 
     def mv(self, a, v):
         return torch.mm(a, v[:, None])[:, 0]
@@ -217,7 +258,10 @@ def covered(device: str) -> dict[str, object]:
     c = Covered(device)
     ops = {
         "mm": c.mm,
+        "mm.out": c.mm_out,
         "addmm": c.addmm,
+        "addmm.out": c.addmm_out,
+        "addmm_": c.addmm_inplace,
         "bmm": c.bmm,
         "mv": c.mv,
         "dot": c.dot,
@@ -235,4 +279,11 @@ def covered(device: str) -> dict[str, object]:
     }
     if device == "cpu":
         ops["_scaled_dot_product_flash_attention_for_cpu"] = c.sdpa_flash_cpu
+    else:  # `out_dtype=` GEMMs exist on CUDA only
+        ops |= {
+            "mm.dtype": c.mm_dtype,
+            "mm.dtype_out": c.mm_dtype_out,
+            "addmm.dtype": c.addmm_dtype,
+            "addmm.dtype_out": c.addmm_dtype_out,
+        }
     return ops

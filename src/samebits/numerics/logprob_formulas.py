@@ -1,0 +1,235 @@
+"""The trainers' log-prob lines, each reproduced bit for bit (docs/logprobs.md).
+
+A formula maps a row's logits (the model's dtype), its token and its temperature (a Python
+float) to the float32 log-prob that one trainer computes for it. Every formula here is
+written from the framework's released code named in its docstring, with samebits' ops: under
+`batch_invariant()` each reduction is the fixed-order tree (`numerics.batch_invariant`), so
+the engine's value of a row equals the trainer's whatever batch either computed it in.
+
+Rows of one call may each have their own formula and temperature (`token_logprobs`). The
+temperature's rounding is part of each line: a division by a Python float (`/ T`: the
+device's rule, `registry.temperature_scale`), a multiply by its inverse (`* (1 / T)`, TRL's
+fused head), or a division by T rounded to the logits' dtype (verl).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from samebits.numerics.registry import pick
+
+Tensor = torch.Tensor
+RowFunction = Callable[[Tensor, Tensor, float], Tensor]  # (logits [n, V], ids [n], T) -> [n]
+
+FORMULAS = ("log_softmax", "trl", "trl_selective", "verl", "logsumexp", "cross_entropy")
+DEFAULT = "log_softmax"
+# TRL 1.16.0: `trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE`, the vocabulary width of a tile
+TRL_VOCAB_TILE = 32768
+READ_FROM = {"trl": "1.16.0", "verl": "0.9.1"}  # the releases these lines were read from
+
+
+def check(formula: object) -> str | None:
+    """The problem with `formula` as a message, or None: a name in FORMULAS or a callable."""
+    if callable(formula) or formula in FORMULAS:
+        return None
+    return f"logprob_formula must be one of {FORMULAS} or a callable, got {formula!r}"
+
+
+def _scalar_scale(x: Tensor, temps: Tensor) -> Tensor:
+    """x [N, V] float32 and temps [N] float32 -> `x / T` as aten rounds a Python-float divisor
+    on x's device (CPU: divides; CUDA: multiplies by the float32 reciprocal)."""
+    return pick("temperature_scale", x.device.type)(x, temps)
+
+
+def _at(values: Tensor, ids: Tensor) -> Tensor:
+    return values.gather(-1, ids[:, None]).squeeze(-1)
+
+
+def log_softmax(logits: Tensor, ids: Tensor, temps: Tensor) -> Tensor:
+    """samebits' default, the line `torch.log_softmax(logits.float() / T, -1)` at the token."""
+    return _at(torch.log_softmax(_scalar_scale(logits.float(), temps), -1), ids)
+
+
+def logsumexp(logits: Tensor, ids: Tensor, temps: Tensor) -> Tensor:
+    """`z = logits.float() / T; z[id] - torch.logsumexp(z, -1)` (unsloth's fp32 line)."""
+    z = _scalar_scale(logits.float(), temps)
+    return _at(z, ids) - torch.logsumexp(z, -1)
+
+
+def cross_entropy(logits: Tensor, ids: Tensor, temps: Tensor) -> Tensor:
+    """`-F.cross_entropy(logits.float() / T, ids, reduction="none")`. aten decomposes it into
+    log_softmax and nll_loss (a gather), so its bits are `log_softmax`'s."""
+    return -F.cross_entropy(_scalar_scale(logits.float(), temps), ids, reduction="none")
+
+
+def _selective(scaled: Tensor, ids: Tensor) -> Tensor:
+    """The dtype split of TRL's `selective_log_softmax` and verl's `logprobs_from_logits_v2`
+    on already scaled logits: fp32/fp64 `gather - logsumexp`, else `log_softmax` in the
+    logits' dtype (bf16 result, widened)."""
+    if scaled.dtype in (torch.float32, torch.float64):
+        return (_at(scaled, ids) - torch.logsumexp(scaled, -1)).float()
+    return _at(F.log_softmax(scaled, -1), ids).float()
+
+
+def trl_selective(logits: Tensor, ids: Tensor, temps: Tensor) -> Tensor:
+    """TRL 1.16.0 `trl.trainer.utils.selective_log_softmax(logits, ids, temperature=T)` off
+    Triton: `logits / T` in the logits' dtype (skipped at T = 1), then `_selective`. On CUDA
+    with Triton TRL runs its own fused kernel: `trl_selective_cuda`."""
+    if logits.device.type == "cuda":
+        return _by_temperature(trl_selective_cuda, logits, ids, temps)
+    ones = temps == 1.0
+    scaled = _scalar_scale(logits.float(), temps).to(logits.dtype)
+    scaled = torch.where(ones[:, None], logits, scaled)
+    return _selective(scaled, ids)
+
+
+def verl(logits: Tensor, ids: Tensor, temps: Tensor) -> Tensor:
+    """verl 0.9.1, FSDP engine (`workers/engine/fsdp/transformer_impl.py`): `logits /
+    temperature.clamp(min=1e-8).to(logits.dtype)`, a division by T rounded to the logits'
+    dtype (skipped for a host T of 1), then `utils/torch_functional.logprobs_from_logits`:
+    flash-attn's Triton cross-entropy where installed (unless VERL_DISABLE_FLASH_ATTN_CE=1),
+    else `logprobs_from_logits_v2` (`_selective`)."""
+    t = temps.clamp(min=1e-8).to(logits.dtype)[:, None]
+    scaled = torch.where((temps == 1.0)[:, None], logits, logits / t)
+    if _flash_ce() is not None and logits.device.type == "cuda":
+        return -_flash_ce()(scaled, ids)[0].float()
+    return _selective(scaled, ids)
+
+
+def trl(logits: Tensor, ids: Tensor, temps: Tensor) -> Tensor:
+    """TRL 1.16.0 `add_fused_lm_head(model, temperature=T)`: `ChunkedLogProbFunction` over
+    tiles of TRL_VOCAB_TILE columns of the bf16 projection (the engine's logits: the same GEMM
+    per element under batch_invariant(), `torch.mm(..., out=)` included). Per tile, `z =
+    tile.float() * 1.0 * float32(1 / T)` (a multiply by the inverse, rounded from float64),
+    folded into a running max and sum of exp; `z[id] - (max + log(sum))`. On the CPU TRL folds
+    each tile with torch ops (`_forward_tile`), as here; on CUDA with a Triton program per
+    token in 1024-wide blocks: `trl_cuda`."""
+    if logits.device.type == "cuda":
+        return _by_temperature(trl_cuda, logits, ids, temps)
+    inv_t = torch.tensor([1 / t for t in temps.double().tolist()], dtype=torch.float32, device=logits.device)
+    n, vocab = logits.shape
+    running_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=logits.device)
+    sum_exp = torch.zeros((n,), dtype=torch.float32, device=logits.device)
+    target = torch.zeros((n,), dtype=torch.float32, device=logits.device)
+    for start in range(0, vocab, TRL_VOCAB_TILE):
+        end = min(start + TRL_VOCAB_TILE, vocab)
+        z = logits[:, start:end].float() * 1.0 * inv_t[:, None]  # [n, w]
+        new_max = torch.maximum(running_max, z.amax(-1))
+        rescale = torch.exp(running_max - new_max)
+        sum_exp = sum_exp * rescale + torch.exp(z - new_max[:, None]).sum(-1)
+        running_max = new_max
+        local = ids - start
+        inside = (local >= 0) & (local < end - start)
+        target = torch.where(inside, _at(z, local.clamp(0, end - start - 1)), target)
+    return target - (running_max + torch.log(sum_exp))
+
+
+def _by_temperature(fn: RowFunction, logits: Tensor, ids: Tensor, temps: Tensor) -> Tensor:
+    """fn(rows, ids, T) per distinct temperature T (a Python float): for lines whose kernel
+    takes one scalar temperature per call."""
+    out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
+    values = temps.tolist()
+    for t in sorted(set(values)):
+        rows = torch.tensor([i for i, v in enumerate(values) if v == t], device=logits.device)
+        out[rows] = fn(logits[rows], ids[rows], float(t)).float()
+    return out
+
+
+def _trl_module(name: str):
+    try:
+        import importlib
+
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise NotImplementedError(
+            "logprob_formula on CUDA runs TRL's own Triton kernel, so TRL must be installed "
+            "(samebits has no Triton copy of it yet; docs/logprobs.md)"
+        ) from e
+
+
+def trl_cuda(logits: Tensor, ids: Tensor, temperature: float) -> Tensor:
+    """`trl` on CUDA: TRL's own per-token fold (`trl.kernels.chunked_logprob._forward_kernel`)
+    over the logit tiles, the Triton kernel ChunkedLogProbFunction launches."""
+    m = _trl_module("trl.kernels.chunked_logprob")
+    n, vocab = logits.shape
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    stats = [torch.full((n,), float("-inf"), **f32)] + [torch.zeros((n,), **f32) for _ in range(4)]
+    before, target = torch.full((n,), float("-inf"), **f32), torch.zeros((n,), **f32)
+    flags = {f"HAS_{o.upper()}": False for o in m.OPTIONAL_OUTPUTS}
+    for start in range(0, vocab, TRL_VOCAB_TILE):
+        tile = logits[:, start : min(start + TRL_VOCAB_TILE, vocab)]
+        m._forward_kernel[(n,)](
+            tile, tile.stride(0), ids, *stats, before, target, start, tile.shape[1],
+            1.0, 1.0, 1 / temperature, HAS_SOFTCAP=False, BLOCK_SIZE=m._BLOCK_SIZE, **flags,
+        )  # fmt: skip
+    return target - (stats[0] + torch.log(stats[1]))
+
+
+def trl_selective_cuda(logits: Tensor, ids: Tensor, temperature: float) -> Tensor:
+    """`trl_selective` on CUDA: TRL's own `selective_log_softmax` (its fused Triton kernel
+    where it supports the rows)."""
+    return _trl_module("trl.trainer.utils").selective_log_softmax(logits, ids, temperature=temperature)
+
+
+def _flash_ce():
+    """flash-attn's `cross_entropy_loss` where verl would use it, else None."""
+    if os.environ.get("VERL_DISABLE_FLASH_ATTN_CE", "0") == "1":
+        return None
+    try:
+        from flash_attn.ops.triton.cross_entropy import cross_entropy_loss
+    except ImportError:
+        return None
+    return cross_entropy_loss
+
+
+LINES: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+    "log_softmax": log_softmax,
+    "trl": trl,
+    "trl_selective": trl_selective,
+    "verl": verl,
+    "logsumexp": logsumexp,
+    "cross_entropy": cross_entropy,
+}
+
+
+def token_logprobs(
+    logits: Tensor, ids: Tensor, temperatures: Sequence[float], formulas: Sequence[str | RowFunction]
+) -> Tensor:
+    """logits [N, V] (the model's dtype), ids [N], each row's temperature (a Python float; 0,
+    greedy, reads as 1) and formula -> float32 log-probs [N], each row by its own line."""
+    temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=torch.float32)
+    temps = temps.to(logits.device)
+    out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
+    for formula in dict.fromkeys(formulas):  # each distinct formula once, in order of first use
+        rows = torch.tensor([i for i, f in enumerate(formulas) if f == formula], device=logits.device)
+        line = LINES[formula] if isinstance(formula, str) else _user_line(formula)
+        out[rows] = line(logits[rows], ids[rows], temps[rows])
+    return out
+
+
+def _user_line(fn: RowFunction) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    return lambda logits, ids, temps: _by_temperature(fn, logits, ids, temps)
+
+
+def check_row_invariant(fn: RowFunction, vocab: int, dtype: torch.dtype, device: str = "cpu") -> None:
+    """Refuse a user's row function (`logprob_formula=callable`) unless a batch of rows and
+    each row alone give the same bits under batch_invariant(), at two temperatures."""
+    from samebits.numerics.batch_invariant import batch_invariant
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(5, vocab, generator=g) * 4).to(dtype).to(device)
+    ids = torch.randint(0, vocab, (5,), generator=g).to(device)
+    with batch_invariant():
+        for t in (1.0, 0.7):
+            whole = fn(logits, ids, t).float()
+            alone = torch.cat([fn(logits[i : i + 1], ids[i : i + 1], t).float().reshape(1) for i in range(5)])
+            if whole.shape != ids.shape or not torch.equal(whole, alone):
+                name = getattr(fn, "__qualname__", repr(fn))
+                raise ValueError(
+                    f"logprob_formula {name} is not row-invariant: a batch of 5 rows and the rows "
+                    f"one at a time differ at temperature {t} under batch_invariant()"
+                )
