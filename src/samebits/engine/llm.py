@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import random
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from samebits.engine.weight_files import load_from_disk
 from samebits.engine.weight_store import WeightStore
 from samebits.model.families import family_for
 from samebits.model.hub import resolve_model_path
+from samebits.numerics import logprob_formulas
 from samebits.numerics.profile import PROFILES
 from samebits.requests import SamplingParams
 
@@ -52,6 +53,9 @@ class EngineConfig:
     # this one (engine/core.py); under the exact profile the same tokens and bits. None: on
     # for CUDA, off on the CPU (where the host waits for each step anyway)
     async_scheduling: bool | None = None
+    # the trainer line the sampled tokens' log-probs are reported by, for requests that name
+    # none (numerics/logprob_formulas.py, docs/logprobs.md): a name or a row function
+    logprob_formula: str | Callable = "log_softmax"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -80,6 +84,9 @@ class EngineConfig:
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be None or a bool, got {self.async_scheduling!r}")
         _check_device(self.device)
+        problem = logprob_formulas.check(self.logprob_formula)
+        if problem is not None:
+            raise ValueError(problem)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -138,6 +145,8 @@ class LLM:
             weights=weights,
         )
         self.config, self.model = self.family.config, self.family.model
+        self._row_invariant: set[Callable] = set()  # the users' row functions checked so far
+        self._check_line(self.engine.logprob_formula)
         if self.engine.max_model_len > self.config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({self.engine.max_model_len}) exceeds the model's "
@@ -242,9 +251,18 @@ class LLM:
         ]
 
     def _new_seq(self, i: int, ids: list[int], sp: SamplingParams) -> Seq:
+        if sp.logprob_formula is None and self.engine.logprob_formula != logprob_formulas.DEFAULT:
+            sp = dataclasses.replace(sp, logprob_formula=self.engine.logprob_formula)
+        self._check_line(sp.logprob_formula)
         seq = Seq(seq_id=next(self._ids), index=i, prompt_token_ids=ids, params=sp)
         seq.seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
         return seq
+
+    def _check_line(self, formula) -> None:
+        """Refuse a user's row function that is not row-invariant (checked once per function)."""
+        if callable(formula) and formula not in self._row_invariant:
+            logprob_formulas.check_row_invariant(formula, self.config.vocab_size, self.engine.torch_dtype)
+            self._row_invariant.add(formula)
 
     def _run_until_done(self, total: int, progress: bool | None) -> None:
         show = sys.stderr.isatty() and total > 1 if progress is None else progress

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from samebits.model.host_copy import to_device
+from samebits.numerics.logprob_formulas import DEFAULT, token_logprobs
 from samebits.numerics.ops import race, reported_logprobs, sample_plain
 from samebits.requests import SamplingParams
 
@@ -122,7 +123,18 @@ def _narrow_pass(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
 def has_sampling_rules(reqs: list[SampleRequest]) -> bool:
     """Whether some row bans tokens, narrows by top-k/top-p or asks for top log-probs: the
     rules path (`_device_sample`) instead of the fused plain sample."""
-    return any(r.banned or r.params.logprobs or (r.params.temperature > 0 and _narrows(r.params)) for r in reqs)
+    return any(
+        r.banned
+        or r.params.logprobs
+        or (r.params.temperature > 0 and _narrows(r.params))
+        or _other_line(r.params)
+        for r in reqs
+    )
+
+
+def _other_line(params: SamplingParams) -> bool:
+    """Whether the row's log-prob is reported by another trainer line than the default."""
+    return params.logprob_formula is not None and params.logprob_formula != DEFAULT
 
 
 def _narrows(params: SamplingParams) -> bool:
@@ -179,6 +191,20 @@ def _device_sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple:
         kept = narrow_rows(probs.index_select(0, at), [q.top_k for q in picked], [q.top_p for q in picked])
         probs.index_copy_(0, at, kept)
     tokens, chosen = race(lps, probs, scores, keys, random_row)
+    lined = [i for i, r in enumerate(reqs) if _other_line(r.params)]
+    if lined:  # the sampled tokens' log-probs by each row's own trainer line
+        at = to_device(torch.tensor(lined), logits.device)
+        picked = [reqs[i].params for i in lined]
+        chosen = chosen.index_copy(
+            0,
+            at,
+            token_logprobs(
+                logits.index_select(0, at),
+                tokens.index_select(0, at),
+                [q.temperature for q in picked],
+                [q.logprob_formula for q in picked],
+            ),
+        )
     asked = [(i, req.params.logprobs) for i, req in enumerate(reqs) if req.params.logprobs]
     return tokens, chosen, Tops.of(lps, asked) if asked else None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -25,6 +26,10 @@ class SamplingParams:
     text, finish_reason "stop"; the token ids keep every sampled token). `logprobs=k` also
     reports the k most likely tokens of the same log-softmax row the sampled token's
     log-prob is read from. `detokenize` produces `text` (needs a tokenizer).
+
+    `logprob_formula`: which trainer's line the sampled token's log-prob is reported by (a
+    name in `numerics.logprob_formulas.FORMULAS`, docs/logprobs.md, or a row function); None
+    takes the engine's (`LLM(..., logprob_formula=)`, default "log_softmax", the line above).
     """
 
     temperature: float = 1.0
@@ -39,6 +44,7 @@ class SamplingParams:
     stop: tuple[str, ...] | None = None
     logprobs: int | None = None
     detokenize: bool = True
+    logprob_formula: str | Callable | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,6 +99,10 @@ class SamplingParams:
             return f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
         if not isinstance(self.detokenize, bool):
             return f"detokenize must be a bool, got {self.detokenize!r}"
+        if self.logprob_formula is not None:
+            from samebits.numerics.logprob_formulas import check  # torch: only when one is named
+
+            return check(self.logprob_formula)
         return None
 
 
