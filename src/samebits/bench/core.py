@@ -327,7 +327,8 @@ def run(
     if engine_arms:
         t0 = time.perf_counter()
         limits = engine_limits(batches, context, generate_steps, rollout, max_num_batched_tokens)
-        llm = LLM(model, device="cuda", async_scheduling=async_scheduling, **limits)
+        # prefix caching off: a repeated prompt would skip its prefill in a timed call
+        llm = LLM(model, device="cuda", async_scheduling=async_scheduling, enable_prefix_caching=False, **limits)
         result.meta["async_scheduling"] = llm.core.async_scheduling
         result.meta["max_num_batched_tokens"] = llm.engine.resolved_batched_tokens()
         log(f"engine built in {time.perf_counter() - t0:.0f} s")
