@@ -105,3 +105,26 @@ def test_prefill_detector_catches_repeated_prompts_with_prefix_caching_on(tiny, 
     with pytest.raises(RuntimeError, match="prefix cache"):
         bench_generate.measure_generate(llm, BATCH, CONTEXT, extra=4)
     assert short_prefill(calls)  # the timed calls that ran before the refusal skipped prefill
+
+
+def test_floors_at_the_qwen3_30b_a3b_shape_are_the_documented_ones():
+    """docs/speed-measurements.md's arithmetic: 48 layers, 1024 tokens of context."""
+    from transformers import Qwen3MoeConfig
+
+    from samebits.bench import core
+    from samebits.model.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(Qwen3MoeConfig(num_hidden_layers=48, **core.QWEN3_30B_A3B).to_dict())
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    assert core.step_bytes(cfg, 1, 1024) == 2 * (
+        48 * (18_874_368 + 8 * 4_718_592 + 262_144 + 1_048_576) + 151936 * 2048 + 2048
+    )
+    assert core.floors(cfg, 1, 1024, h100)[0] == pytest.approx(1.846, abs=1e-3)
+    assert core.floors(cfg, 64, 1024, h100)[0] == pytest.approx(19.687, abs=1e-3)
+    assert core.floors(cfg, 96, 1024, h100)[0] == pytest.approx(20.892, abs=1e-3)
+    assert core.floors(cfg, 256, 1024, h200)[0] == pytest.approx(17.961, abs=1e-3)
+    assert core.prefill_flops_per_token(cfg, 1024) == 48 * (
+        2 * (18_874_368 + 37_748_736 + 262_144) + 16384 * 512.5
+    )
+    assert core.floors(cfg, 64, 1024, h100)[1] == pytest.approx(134_720, abs=1)
+    assert core.floors(cfg, 1, 1024, "cpu")[0] is None  # no nominal bandwidth: no decode floor stated
