@@ -244,6 +244,7 @@ def measure_engine_arm(
         if generate_steps:
             gen = measure_generate(llm, b, context, extra=generate_steps)
             row.generate_ms, row.prefill_tok_s = gen.decode_ms, gen.prefill_tok_s
+            row.generate_difference_ms = gen.difference_ms
         rows.append(row)
         log(
             f"{arm:>6} batch {b:>4}: generate {_ms(row.generate_ms)} ms/token, step {ms:.2f} ms, "

@@ -41,6 +41,7 @@ class Row:
     prefill_tok_s: float | None = None
     nominal_floor_ms: float | None = None
     prefill_floor_tok_s: float | None = None
+    generate_difference_ms: float | None = None  # (t_last - t_first) / (last - first) of generate calls
 
     @property
     def generate_over_floor(self) -> float | None:
