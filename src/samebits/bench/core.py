@@ -30,7 +30,7 @@ from samebits.bench.report import EXACT_TRAINER, STOCK_TRAINER, BenchResult, Row
 from samebits.engine.sampler import SampleRequest
 from samebits.engine.scheduler import ScheduledBatch, ScheduledChunk
 from samebits.engine.sequence import Sequence
-from samebits.model.config import ModelConfig
+from samebits.model.qwen3_moe.config import ModelConfig
 from samebits.numerics.profile import PROFILES
 from samebits.requests import SamplingParams
 
@@ -59,7 +59,7 @@ def write_random_checkpoint(path: Path, layers: int, seed: int, shard_bytes: int
     shard by shard (never the whole model in host memory). Needs CUDA for the generator."""
     from transformers import Qwen3MoeConfig
 
-    from samebits.model.loader import expected_shapes, save_tensor_stream
+    from samebits.model.qwen3_moe.loader import expected_shapes, save_tensor_stream
 
     cfg = Qwen3MoeConfig(num_hidden_layers=layers, **QWEN3_30B_A3B).to_dict()
     cfg["architectures"], cfg["dtype"] = ["Qwen3MoeForCausalLM"], "bfloat16"

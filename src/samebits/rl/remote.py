@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from samebits.client import Client, spawn_server, stop_server
-from samebits.model.config import ModelConfig
+from samebits.model.qwen3_moe.config import ModelConfig
 
 
 @dataclass
