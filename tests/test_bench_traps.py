@@ -112,7 +112,7 @@ def test_floors_at_the_qwen3_30b_a3b_shape_are_the_documented_ones():
     from transformers import Qwen3MoeConfig
 
     from samebits.bench import core
-    from samebits.model.config import ModelConfig
+    from samebits.model.qwen3_moe.config import ModelConfig
 
     cfg = ModelConfig.from_dict(Qwen3MoeConfig(num_hidden_layers=48, **core.QWEN3_30B_A3B).to_dict())
     h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
