@@ -3,8 +3,9 @@
     python benchmarks/decode_profile.py --layers 2 --batches 1,64,256 --arms exact,fast
 
 Writes a random Qwen3-30B-A3B-shaped checkpoint of `--layers` layers (or reuses `--dir`),
-builds one eager engine (no CUDA graphs, so the profiler sees each launch) and one with
-graphs, and per arm and batch:
+builds one eager engine (no CUDA graphs, so the profiler sees each launch), then, once
+that one is freed, one with graphs (two 48-layer engines do not fit an H100), and per arm
+and batch:
 - profiles `--steps` eager decode steps of B sequences at `--context` tokens of KV
   (`torch.profiler`, CUDA kernels only) and prints each kernel's launches and GPU time per
   step, the busiest first, with the sum of all kernel time per step;
@@ -23,6 +24,7 @@ and gaps), and every kernel by name, as above.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from collections import defaultdict
@@ -144,23 +146,20 @@ def main() -> None:
     if not (path / "config.json").is_file():
         write_random_checkpoint(path, args.layers, seed=0)
     limits = dict(device="cuda", max_num_seqs=max(batches + [args.prefill]), max_model_len=args.context + 64)
+    # one engine at a time: two copies of the 48-layer weights (~61 GB each) do not fit an H100
     eager = LLM(path, cuda_graphs=False, **limits)
-    graphed = LLM(path, **limits)
     layers = eager.config.num_hidden_layers
     out = {"layers": layers, "context": args.context, "points": []}
     for arm in args.arms.split(","):
         eager.set_numerics(arm)
-        graphed.set_numerics(arm)
         for b in batches:
             kernels = kernel_table(eager, b, args.context, args.steps)
-            replay = replay_ms(graphed, b, args.context, args.steps * 4)
             sample = sampler_ms(eager.config.vocab_size, b)
             busy = sum(us for _, us in kernels.values())
             launches = sum(n for n, _ in kernels.values())
             t = Table(
                 title=f"{arm}, batch {b}, {layers} layers: {launches:.0f} launches, {busy / 1000:.2f} ms of "
-                f"kernels per step; graph replay {replay or float('nan'):.2f} ms; sampler alone "
-                + ", ".join(f"{k} {v:.3f} ms" for k, v in sample.items())
+                "kernels per step; sampler alone " + ", ".join(f"{k} {v:.3f} ms" for k, v in sample.items())
             )
             for col in ("kernel", "launches/step", "us/step", "share"):
                 t.add_column(col, justify="left" if col == "kernel" else "right")
@@ -172,11 +171,12 @@ def main() -> None:
                     "batch": b,
                     "launches": launches,
                     "kernel_ms": busy / 1000,
-                    "replay_ms": replay,
+                    "replay_ms": None,
                     "sampler_ms": sample,
                     "kernels": {k: {"launches": n, "us": us} for k, n, us in ranked},
                 }
             )
+            _write(args.json, out)
         if args.prefill:
             wall, kernels = prefill_table(eager, args.prefill, args.context)
             busy = sum(us for _, us in kernels.values())
@@ -198,8 +198,27 @@ def main() -> None:
                     "kernels": {k: {"launches": n, "us": us} for k, n, us in ranked},
                 }
             )
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+            _write(args.json, out)
+    del eager
+    gc.collect()
+    torch.cuda.empty_cache()
+    graphed = LLM(path, **limits)
+    for point in out["points"]:
+        graphed.set_numerics(point["arm"])
+        point["replay_ms"] = replay = replay_ms(graphed, point["batch"], args.context, args.steps * 4)
+        console.print(
+            f"{point['arm']}, batch {point['batch']}: graph replay {replay or float('nan'):.2f} ms, "
+            f"kernels {point['kernel_ms']:.2f} ms per step (replay - kernels: launches and gaps)"
+        )
+        _write(args.json, out)
+
+
+def _write(path: str | None, out: dict) -> None:
+    """The JSON so far (after every point, so a run stopped part way keeps what it measured)."""
+    if path:
+        tmp = Path(path + ".tmp")
+        tmp.write_text(json.dumps(out, indent=1))
+        tmp.replace(path)
 
 
 if __name__ == "__main__":

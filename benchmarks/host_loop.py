@@ -31,7 +31,7 @@ import time
 from samebits import LLM, SamplingParams
 from samebits.engine.cuda_graphs import DecodeGraphs, graph_sizes
 from samebits.engine.sampler import Pending
-from samebits.model.tiny import tiny_checkpoint_cache
+from samebits.model.qwen3_moe.tiny import tiny_checkpoint_cache
 
 
 def measure(batch: int, context: int, steps: int, ahead: bool = False, **limits) -> tuple:

@@ -60,7 +60,7 @@ def write_random_thinker(path: Path, layers: int, seed: int, device: str) -> Pat
     """Random bf16 weights for every tensor of transformers' thinker (shapes from a meta build)."""
     from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
 
-    from samebits.model.loader import save_tensor_stream
+    from samebits.model.qwen3_moe.loader import save_tensor_stream
 
     cfg = thinker_config(layers)
     with torch.device("meta"):
@@ -120,7 +120,7 @@ def real_prompts(seed: int) -> dict:
 
 
 def tiny_prompts() -> dict:
-    from samebits.model.tiny_omni import audio_part, image_part, make_prompt
+    from samebits.model.qwen3_omni.tiny import audio_part, image_part, make_prompt
 
     g = torch.Generator().manual_seed(3)
     return {
@@ -163,7 +163,7 @@ def timed_decode_steps(llm, prompts, params):
 def run(path, prompts: dict, device: str, tokens: int, seed: int, log=print, cuda_graphs: bool = True):
     """-> list of verify.ArmResult: alone vs batched, trainer one-at-a-time / packed, the negative control."""
     from samebits import LLM, SamplingParams, batch_invariant, trainer
-    from samebits.model.omni import SplitResidualDeepstackTextModel, ThinkerTextModel
+    from samebits.model.qwen3_omni.model import SplitResidualDeepstackTextModel, ThinkerTextModel
     from samebits.verify import compare
 
     kinds, plist = list(prompts), list(prompts.values())
@@ -249,7 +249,7 @@ def main() -> None:
 
     t0 = time.time()
     if args.tiny:
-        from samebits.model.tiny_omni import build_tiny_omni_checkpoint
+        from samebits.model.qwen3_omni.tiny import build_tiny_omni_checkpoint
 
         path, prompts = build_tiny_omni_checkpoint(Path(args.dir), seed=args.seed), tiny_prompts()
     else:

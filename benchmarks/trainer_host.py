@@ -60,7 +60,7 @@ def _config(layers: int):
     CPU compute stays small."""
     from transformers import Qwen3MoeConfig
 
-    from samebits.model.tiny import TINY_SHAPE
+    from samebits.model.qwen3_moe.tiny import TINY_SHAPE
 
     wider = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, head_dim=64)
     return Qwen3MoeConfig(

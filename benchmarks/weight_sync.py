@@ -25,7 +25,7 @@ import torch
 
 
 def _trainer_tensors(path: Path, device: str) -> list[tuple[str, torch.Tensor]]:
-    from samebits.model.loader import load_state_dict
+    from samebits.model.qwen3_moe.loader import load_state_dict
 
     _, state = load_state_dict(path, dtype=torch.bfloat16, device=device)
     with torch.no_grad():  # an "optimizer step" the server must pick up

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU work queued for the next device session (docs/perf-notes.md, "Next device session"),
-# one phase a device call (each fits the 600 s a call may run):
+# The GPU work queued for the next device session (issue 45; method, floors and results in
+# docs/speed-measurements.md), one phase a device call (each fits the 600 s a call may run):
 #
 #   bash scripts/device_run.sh tests-new   # the GPU tests of code changed since the last GPU run
 #   bash scripts/device_run.sh tests-all   # every GPU test
@@ -8,7 +8,10 @@
 #   bash scripts/device_run.sh tiles       # decode GEMMs fed by TMA inside CUDA graphs
 #   bash scripts/device_run.sh prefill-ab  # the bench's prefill, async scheduling off / on / off
 #   bash scripts/device_run.sh budget      # the bench's prefill at 8192 / 16384 / 32768 tokens a step
-#   bash scripts/device_run.sh bench       # samebits bench exact,fast at 1, 64 (and 256 on an H200)
+#   bash scripts/device_run.sh bench       # samebits bench exact,fast at 1, 64 and the largest batch
+#                                          # that fits 1k context: 96 on an H100, 256 on an H200 (~450 s)
+#   bash scripts/device_run.sh profile     # benchmarks/decode_profile.py, every kernel of a decode step
+#                                          # at batch 1 and 64, exact and fast, 48 layers (~300 s)
 #   bash scripts/device_run.sh probe       # the 48-layer probe: 0 mismatches in every exact arm
 #
 # Run from the repository root on the device machine, with `.whl` carried (scripts/device_wheels.sh
@@ -17,9 +20,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-tests-new | tests-all | sample | tiles | prefill-ab | budget | bench | probe) ;;
+tests-new | tests-all | sample | tiles | prefill-ab | budget | bench | profile | probe) ;;
 *)
-    sed -n 2,16p "$0"
+    sed -n 2,19p "$0"
     exit 2
     ;;
 esac
@@ -84,10 +87,17 @@ budget)
     ;;
 bench)
     checkpoint
-    batches=1,64
-    [ "$big_gpu" = 1 ] && batches=1,64,256  # 256 sequences of 1k context at 48 layers need an H200
-    run bench python3 -m samebits.cli bench --model $q48 --arms exact,fast --batches $batches \
+    batches=1,64,96 # 96 sequences of 1k context: the most that fit beside the 48 layers on an H100
+    [ "$big_gpu" = 1 ] && batches=1,64,256 # 256 on an H200
+    # stopped before the device call's 600 s (SECONDS: since this script began, checkpoint
+    # included); bench.json is rewritten after each arm, so a stopped run keeps the exact arm
+    run bench timeout $((585 - SECONDS)) python3 -m samebits.cli bench --model $q48 --arms exact,fast --batches $batches \
         --num-prompts 0 --out "$OUT/bench"
+    ;;
+profile)
+    checkpoint
+    run profile timeout $((585 - SECONDS)) python3 benchmarks/decode_profile.py --layers 48 --dir $q48 --batches 1,64 \
+        --arms exact,fast --context 1024 --json "$OUT/profile.json"
     ;;
 probe)
     checkpoint

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from samebits.model.tiny import build_tiny_checkpoint
+from samebits.model.qwen3_moe.tiny import build_tiny_checkpoint
 
 SHAPES = {
     # dense + sparse layers mixed, GQA 2, untied

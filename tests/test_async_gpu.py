@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    from samebits.model.tiny import build_tiny_checkpoint
+    from samebits.model.qwen3_moe.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("async_gpu") / "t", seed=4)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from samebits import bench
-from samebits.model.config import ModelConfig
+from samebits.model.qwen3_moe.config import ModelConfig
 
 
 def _cfg(**kw):

@@ -328,14 +328,15 @@ def test_timed_decode_steps_are_raised_to_the_prefill_phase(llm, monkeypatch):
         asked.append(max_tokens)
         return 1.0, [0.01]
 
+    monkeypatch.setattr(bench_generate, "warm_generate", lambda _, p, n, seed=0: asked.append(f"warm {n}"))
     monkeypatch.setattr(bench_generate, "timed_generate", timed)
     monkeypatch.setattr(bench_generate, "timed_decode_steps", stepped)
     monkeypatch.setattr(bench_generate, "first_decode_tokens", lambda *a: 7)
     g = bench_generate.measure_generate(llm, batch=2, context=4, extra=3)
-    assert asked == [7, 1, 7, 14] and (g.first, g.last) == (7, 14)
+    assert asked == ["warm 1", "warm 7", "warm 14", 1, 7, 14] and (g.first, g.last) == (7, 14)
     asked.clear()
     g = bench_generate.measure_generate(llm, batch=2, context=4, extra=9)
-    assert asked == [7, 1, 7, 16] and (g.first, g.last) == (7, 16)
+    assert asked == ["warm 1", "warm 7", "warm 16", 1, 7, 16] and (g.first, g.last) == (7, 16)
 
 
 def test_a_run_stopped_part_way_keeps_what_it_measured(tmp_path, monkeypatch):

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from samebits.model.loader import expected_shapes, load_state_dict
-from samebits.model.tiny import TINY_SHAPE
+from samebits.model.qwen3_moe.loader import expected_shapes, load_state_dict
+from samebits.model.qwen3_moe.tiny import TINY_SHAPE
 
 
 def _hf_state(path, dtype):
@@ -47,7 +47,7 @@ def test_cast_on_load(checkpoints):
 
 def test_config_defaults_follow_transformers():
     """A config.json that omits a field means transformers' default, not ours."""
-    from samebits.model.config import ModelConfig
+    from samebits.model.qwen3_moe.config import ModelConfig
 
     d = {
         "architectures": ["Qwen3MoeForCausalLM"],

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 
 from samebits import LLM, SamplingParams, trainer
-from samebits.model.config import ModelConfig, UnsupportedCheckpointError, check_checkpoint_config
-from samebits.model.omni_config import OmniConfig
-from samebits.model.tiny_omni import build_tiny_omni_checkpoint
+from samebits.model.config_files import UnsupportedCheckpointError
+from samebits.model.families import check_checkpoint_config
+from samebits.model.qwen3_moe.config import ModelConfig
+from samebits.model.qwen3_omni.config import OmniConfig
+from samebits.model.qwen3_omni.tiny import build_tiny_omni_checkpoint
 
 CFG, GEN = "config.json", "generation_config.json"
 QWEN3_MOE = "Qwen3MoeForCausalLM"

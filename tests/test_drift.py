@@ -263,7 +263,7 @@ def test_hub_kernels_asked_for_are_refused(tiny, kwargs):
 
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory):
-    from samebits.model.tiny_omni import build_tiny_omni_checkpoint
+    from samebits.model.qwen3_omni.tiny import build_tiny_omni_checkpoint
 
     path = build_tiny_omni_checkpoint(tmp_path_factory.mktemp("omni"), seed=0, layout="thinker")
     return trainer.load_hf_thinker(path)

@@ -223,7 +223,7 @@ def test_fast_profile_runs_and_is_not_the_exact_numerics(tiny, llm):
 
 
 def test_shared_weights_are_the_given_tensors_and_give_the_same_bits(tiny):
-    from samebits.model.loader import load_state_dict
+    from samebits.model.qwen3_moe.loader import load_state_dict
 
     _, state = load_state_dict(tiny, dtype=torch.bfloat16)
     kw = dict(max_num_seqs=2, max_model_len=64)
@@ -255,7 +255,7 @@ def test_shared_weights_are_the_given_tensors_and_give_the_same_bits(tiny):
     ],
 )
 def test_shared_weights_that_do_not_fit_are_refused_by_name(tiny, edit, match):
-    from samebits.model.loader import load_state_dict
+    from samebits.model.qwen3_moe.loader import load_state_dict
 
     _, state = load_state_dict(tiny, dtype=torch.bfloat16)
     edit(state)

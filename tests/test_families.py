@@ -11,9 +11,9 @@ import torch
 
 from samebits import LLM, SamplingParams, batch_invariant, trainer
 from samebits.model.families import family_for
-from samebits.model.omni_family import Qwen3OmniFamily
-from samebits.model.qwen3_moe import Qwen3MoeFamily
-from samebits.model.tiny_omni import audio_part, build_tiny_omni_checkpoint, image_part, make_prompt
+from samebits.model.qwen3_moe.family import Qwen3MoeFamily
+from samebits.model.qwen3_omni.family import Qwen3OmniFamily
+from samebits.model.qwen3_omni.tiny import audio_part, build_tiny_omni_checkpoint, image_part, make_prompt
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "samebits"
 MAX_LEN = 128

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from samebits import LLM, SamplingParams, trainer
-from samebits.model.config import UnsupportedCheckpointError
-from samebits.model.loader import load_state_dict, save_state_dict
+from samebits.model.config_files import UnsupportedCheckpointError
+from samebits.model.qwen3_moe.loader import load_state_dict, save_state_dict
 
 N_REQUESTS, N_CHECKPOINTS = 200, 50
 MAX_LEN = 48

@@ -191,7 +191,7 @@ def test_reported_logprobs_equal_the_trainer_line_on_cuda_per_row():
 def test_rollout_equals_trainer_on_cuda_at_temperature(tmp_path, temperature):
     """On CUDA `x / python_float` multiplies by the reciprocal; both sides must share one op."""
     from samebits import LLM, SamplingParams, batch_invariant, trainer
-    from samebits.model.tiny import build_tiny_checkpoint
+    from samebits.model.qwen3_moe.tiny import build_tiny_checkpoint
     from samebits.verify import make_prompts
 
     path = build_tiny_checkpoint(tmp_path / "t", seed=4)

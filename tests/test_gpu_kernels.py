@@ -368,7 +368,7 @@ def test_triton_tree_sum_gives_tree_sum_ref_bits(shape, dim):
 
 def test_trainer_trains_through_cuda_kernels(tmp_path):
     from samebits import batch_invariant, trainer
-    from samebits.model.tiny import build_tiny_checkpoint
+    from samebits.model.qwen3_moe.tiny import build_tiny_checkpoint
 
     path = build_tiny_checkpoint(tmp_path / "t", seed=1)
     model = trainer.load_hf_model(path, device="cuda")
@@ -386,7 +386,7 @@ def test_trainer_trains_through_cuda_kernels(tmp_path):
 def test_cuda_graph_decode_equals_eager(tmp_path, monkeypatch):
     from samebits import LLM, SamplingParams
     from samebits.kernels.experts import experts_grouped_mm
-    from samebits.model.tiny import build_tiny_checkpoint
+    from samebits.model.qwen3_moe.tiny import build_tiny_checkpoint
     from samebits.numerics import registry
     from samebits.verify import make_prompts
 
@@ -600,7 +600,7 @@ def _tiny_engine(tmp_path, seed):
     """() -> the CUDA engine's outputs (CUDA graphs on) for five prompts of the tiny model,
     sampled at temperature 1: a fresh engine each call, so switches set between calls apply."""
     from samebits import LLM, SamplingParams
-    from samebits.model.tiny import build_tiny_checkpoint
+    from samebits.model.qwen3_moe.tiny import build_tiny_checkpoint
     from samebits.verify import make_prompts
 
     path = build_tiny_checkpoint(tmp_path / "t", seed=seed)

@@ -12,9 +12,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from samebits.model.config import UnsupportedCheckpointError
-from samebits.model.loader import expected_shapes, load_state_dict, save_state_dict
-from samebits.model.tiny import build_tiny_checkpoint, build_tiny_model, to_per_expert
+from samebits.model.config_files import UnsupportedCheckpointError
+from samebits.model.qwen3_moe.loader import expected_shapes, load_state_dict, save_state_dict
+from samebits.model.qwen3_moe.tiny import build_tiny_checkpoint, build_tiny_model, to_per_expert
 
 SHAPES = {
     "mixed": {},  # sparse, dense, sparse (mlp_only_layers=[1])

@@ -12,10 +12,10 @@ from samebits import LLM, SamplingParams, batch_invariant, trainer
 from samebits.engine.llm import tensor_digest
 from samebits.engine.scheduler import ScheduledBatch, ScheduledChunk
 from samebits.engine.sequence import Sequence
-from samebits.model.config import UnsupportedCheckpointError
-from samebits.model.omni import SplitResidualDeepstackTextModel, ThinkerTextModel
-from samebits.model.omni_loader import load_thinker_weights
-from samebits.model.tiny_omni import (
+from samebits.model.config_files import UnsupportedCheckpointError
+from samebits.model.qwen3_omni.loader import load_thinker_weights
+from samebits.model.qwen3_omni.model import SplitResidualDeepstackTextModel, ThinkerTextModel
+from samebits.model.qwen3_omni.tiny import (
     audio_part,
     build_tiny_omni_checkpoint,
     build_tiny_thinker,

@@ -33,7 +33,7 @@ def _check(results):
 
 
 def test_tiny_thinker_parity_cuda(tmp_path):
-    from samebits.model.tiny_omni import build_tiny_omni_checkpoint
+    from samebits.model.qwen3_omni.tiny import build_tiny_omni_checkpoint
 
     probe = _probe()
     path = build_tiny_omni_checkpoint(tmp_path / "tiny", seed=0)

@@ -8,7 +8,7 @@ import torch
 
 from samebits import LLM, SamplingParams
 from samebits.engine.cuda_graphs import DecodeGraphs
-from samebits.model.tiny_omni import audio_part, build_tiny_omni_checkpoint, image_part, make_prompt
+from samebits.model.qwen3_omni.tiny import audio_part, build_tiny_omni_checkpoint, image_part, make_prompt
 
 pytestmark = pytest.mark.gpu
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from samebits.kernels.experts import experts_ref, experts_stock_ref
-from samebits.model import qwen3_moe
+from samebits.model.qwen3_moe import model as qwen3_moe
 from samebits.numerics import ops, registry
 from samebits.numerics.batch_invariant import batch_invariant
 from samebits.numerics.profile import EXACT, FAST
@@ -219,7 +219,7 @@ def test_the_exact_cpu_model_sums_its_moe_slots_in_the_next_norm(tiny, monkeypat
     """On the CPU the exact profile's MoE blocks hand the next norm their slot outputs
     (`Slots`): every sparse layer's sum goes through `slot_add_rms_norm`, and a layer's block
     output is the experts op's bit for bit. The fast profile (stock experts) has no such step."""
-    from samebits.model.config import ModelConfig
+    from samebits.model.qwen3_moe.config import ModelConfig
 
     cfg = ModelConfig.from_pretrained(tiny)
     block = qwen3_moe.SparseMoeBlock(cfg)

@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from samebits import LLM, SamplingParams, trainer
-from samebits.model.config import UnsupportedCheckpointError
+from samebits.model.config_files import UnsupportedCheckpointError
 from samebits.model.hub import ModelNotFoundError, resolve_model_path
-from samebits.model.loader import load_state_dict
+from samebits.model.qwen3_moe.loader import load_state_dict
 
 Q = "model.layers.0.self_attn.q_proj.weight"
 NORM = "model.norm.weight"
@@ -115,7 +115,7 @@ def test_corrupt_file_refused_with_its_name(tiny, tmp_path, loader, case):
 
 def _sharded(tiny, dest):
     """The tiny checkpoint as two shards and an index."""
-    from samebits.model.loader import save_state_dict
+    from samebits.model.qwen3_moe.loader import save_state_dict
 
     cfg = json.loads((tiny / "config.json").read_text())
     return save_state_dict(cfg, load_file(tiny / "model.safetensors"), dest, max_shard_bytes=60_000)
@@ -156,8 +156,8 @@ def test_shared_weights_refuse_nan(tiny):
 
 
 def test_omni_loader_refuses_nan_and_corrupt_files(tmp_path):
-    from samebits.model.omni_loader import load_thinker_weights
-    from samebits.model.tiny_omni import build_tiny_omni_checkpoint
+    from samebits.model.qwen3_omni.loader import load_thinker_weights
+    from samebits.model.qwen3_omni.tiny import build_tiny_omni_checkpoint
 
     path = build_tiny_omni_checkpoint(tmp_path / "omni", layout="thinker", per_expert_layout=False)
     state = load_file(path / "model.safetensors")

@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from samebits import LLM
 from samebits.model.checkpoint_checks import refuse_non_finite
-from samebits.model.config import UnsupportedCheckpointError
-from samebits.model.loader import load_state_dict
+from samebits.model.config_files import UnsupportedCheckpointError
+from samebits.model.qwen3_moe.loader import load_state_dict
 
 pytestmark = pytest.mark.gpu
 NORM = "model.norm.weight"

@@ -354,7 +354,7 @@ def test_routers_without_renorm_same_bits_and_gradients(checkpoints, shape):
 
 
 def test_the_omni_thinker_text_norms_and_routers_are_recognized(tmp_path):
-    from samebits.model.tiny_omni import build_tiny_omni_checkpoint
+    from samebits.model.qwen3_omni.tiny import build_tiny_omni_checkpoint
 
     model = trainer.load_hf_thinker(build_tiny_omni_checkpoint(tmp_path / "omni", seed=0, layout="thinker"))
     text = model.model.language_model
@@ -420,7 +420,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 from samebits import trainer, batch_invariant
 from samebits.kernels import experts_backward as eb
 from samebits.model import attention
-from samebits.model.tiny import TINY_SHAPE
+from samebits.model.qwen3_moe.tiny import TINY_SHAPE
 from samebits.numerics import registry
 from samebits.trainer import attention_forward
 

@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from samebits import LLM, SamplingParams
 from samebits.engine import weight_files
-from samebits.model.config import UnsupportedCheckpointError
-from samebits.model.loader import load_state_dict
-from samebits.model.tiny import build_tiny_checkpoint, to_per_expert
+from samebits.model.config_files import UnsupportedCheckpointError
+from samebits.model.qwen3_moe.loader import load_state_dict
+from samebits.model.qwen3_moe.tiny import build_tiny_checkpoint, to_per_expert
 
 SHAPE = "bias_per_expert"  # per-expert layout on disk, 3 experts, a dense layer 0
 GATE_UP = "model.layers.1.mlp.experts.gate_up_proj"
@@ -355,7 +355,7 @@ def test_cuda_release_frees_memory_and_graphs_replay_the_pushed_weights(checkpoi
 def test_omni_thinker_per_expert_names_and_from_disk(tmp_path, checkpoints):
     """The thinker's names (`model.language_model.layers...`): per-expert updates and a
     full Omni checkpoint (per-expert, under `thinker.`) over a fused thinker-only one."""
-    from samebits.model.tiny_omni import build_tiny_omni_checkpoint
+    from samebits.model.qwen3_omni.tiny import build_tiny_omni_checkpoint
 
     ours = build_tiny_omni_checkpoint(tmp_path / "a", seed=0, layout="thinker", per_expert_layout=False)
     theirs = build_tiny_omni_checkpoint(tmp_path / "b", seed=5, layout="full", per_expert_layout=True)

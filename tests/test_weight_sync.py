@@ -303,7 +303,7 @@ def test_disk_reload_release_and_resume_over_http(tiny, client):
     """/update_weights_from_disk restores the checkpoint's weights (digests = the files');
     released memory refuses requests; after a resume, requests wait for weights; the reload
     then gives the same completions bit for bit."""
-    from samebits.model.loader import load_state_dict
+    from samebits.model.qwen3_moe.loader import load_state_dict
 
     client.update_weights_from_disk(str(tiny))
     _, state = load_state_dict(tiny, dtype=torch.bfloat16)

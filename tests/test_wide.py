@@ -20,7 +20,7 @@ import torch
 from cpu_facts import needs_varying_stock_bf16
 
 from samebits import LLM, SamplingParams, batch_invariant, trainer
-from samebits.model.loader import load_state_dict, save_tensor_stream
+from samebits.model.qwen3_moe.loader import load_state_dict, save_tensor_stream
 from samebits.trainer import forwards
 from samebits.verify import make_prompts
 

@@ -43,6 +43,8 @@ def _rl(args) -> int:
     except ValueError as e:  # the config or option names the field and the allowed values
         print(f"samebits rl: {e}", file=sys.stderr)
         return 2
+    if args.api_key:  # read by rl.remote (and a spawned server) from the environment, not the config
+        os.environ["VLLM_API_KEY"] = args.api_key
     if args.distributed:
         return _rl_distributed(cfg, args)
     every = rl.CHECKPOINT_EVERY if args.checkpoint_every is None else args.checkpoint_every
@@ -235,6 +237,13 @@ def _add_rl(sub) -> None:
         metavar="URL|spawn",
         help="the engine is a samebits serve reached only over HTTP and the weight-update group, "
         "as an external framework drives it: its URL, or 'spawn' to start one on 127.0.0.1",
+    )
+    r.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="with --server: the key sent as 'Authorization: Bearer KEY' (the server's admin key when it "
+        "has one: the loop pushes weights); default $VLLM_API_KEY; never written to --out",
     )
     r.add_argument(
         "--weight-sync",

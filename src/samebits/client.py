@@ -1,7 +1,7 @@
 """The trainer's side of weight sync with a `samebits serve` (or SGLang) server.
 
     from samebits.client import Client
-    client = Client("http://127.0.0.1:30000")
+    client = Client("http://127.0.0.1:30000", api_key=KEY)                 # None: no key sent
     client.init_weights_update_group("127.0.0.1", 29600, backend="gloo")   # the trainer is rank 0
     client.update_weights_from_distributed(model.named_parameters())      # fp32 -> engine dtype
     assert client.weight_digests() == client.local_digests(model.named_parameters())
@@ -10,7 +10,9 @@
 (`/weight_specs`) before anything is sent, then posts the declaration and broadcasts each
 tensor from rank 0 in the same order, as SGLang's protocol has it. `update_weights_from_tensor`
 hands a colocated engine (same GPU, another process) CUDA IPC handles instead. Every method
-raises `WeightSyncError` with the server's message when the server refuses.
+raises `WeightSyncError` with the server's message when the server refuses. `api_key` is sent
+as `Authorization: Bearer <key>` on every call: give the admin key (`--admin-api-key`) of a
+server that has one, since weight updates, digests and specs need it.
 
 Only the standard library talks HTTP here; the group is `samebits.weights.group`'s, made as
 SGLang's `init_custom_process_group` makes it.
@@ -19,6 +21,7 @@ SGLang's `init_custom_process_group` makes it.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -37,13 +40,17 @@ from samebits.weights import ipc
 DEFAULT_GROUP = "weight_update_group"
 
 
-def spawn_server(model, *args: str, ready_timeout: float = 1800.0) -> tuple[subprocess.Popen, str]:
+def spawn_server(
+    model, *args: str, ready_timeout: float = 1800.0, api_key: str | None = None
+) -> tuple[subprocess.Popen, str]:
     """Start `samebits serve --model model --port 0 *args` on 127.0.0.1 and wait for its ready
     line -> (the process, its URL). RuntimeError with the server's stderr if it exits first;
     killed after `ready_timeout` seconds (a 60 GB checkpoint and its CUDA graphs take minutes).
-    Stop it with `stop_server`."""
+    `api_key`: the server's key, handed over in its environment ($VLLM_API_KEY), not on its
+    command line. Stop it with `stop_server`."""
     cmd = [sys.executable, "-m", "samebits.cli", "serve", "--model", str(model), "--port", "0", *args]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    env = dict(os.environ, VLLM_API_KEY=api_key) if api_key else None
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     timer = threading.Timer(ready_timeout, proc.kill)
     timer.start()
     seen: list[str] = []
@@ -75,9 +82,12 @@ class WeightSyncError(RuntimeError):
 class Client:
     """HTTP calls to one server, plus the rank-0 end of its weight-update group."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:30000", timeout: float = 3600.0):
+    def __init__(
+        self, base_url: str = "http://127.0.0.1:30000", timeout: float = 3600.0, api_key: str | None = None
+    ):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.groups: dict[str, tuple[object, str]] = {}  # name -> (process group, backend)
         self._specs: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
 
@@ -87,7 +97,10 @@ class Client:
         """POST a JSON body -> the JSON answer; WeightSyncError on a non-2xx answer."""
         data = json.dumps(body or {}).encode()
         req = urllib.request.Request(
-            self.base_url + path, data=data, headers={"Content-Type": "application/json"}, method="POST"
+            self.base_url + path,
+            data=data,
+            headers={"Content-Type": "application/json"} | self._headers,
+            method="POST",
         )
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
@@ -242,7 +255,7 @@ class Client:
 
     def get_weight_version(self) -> str:
         """The `weight_version` of the last update that carried one ("default" before)."""
-        req = urllib.request.Request(self.base_url + "/get_weight_version", method="GET")
+        req = urllib.request.Request(self.base_url + "/get_weight_version", headers=self._headers, method="GET")
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 return json.loads(resp.read())["weight_version"]

@@ -108,7 +108,7 @@ def run(
     sequence). At a temperature other than 0 and 1, one more control: the trainer's line with
     1 / T rounded as the other device rounds it (`other_device_rounding`)."""
     if model is None:
-        from samebits.model.tiny import tiny_checkpoint_cache
+        from samebits.model.qwen3_moe.tiny import tiny_checkpoint_cache
 
         model = tiny_checkpoint_cache(seed=seed)
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]

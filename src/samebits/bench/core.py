@@ -30,7 +30,7 @@ from samebits.bench.report import EXACT_TRAINER, STOCK_TRAINER, BenchResult, Row
 from samebits.engine.sampler import SampleRequest
 from samebits.engine.scheduler import ScheduledBatch, ScheduledChunk
 from samebits.engine.sequence import Sequence
-from samebits.model.config import ModelConfig
+from samebits.model.qwen3_moe.config import ModelConfig
 from samebits.numerics.profile import PROFILES
 from samebits.requests import SamplingParams
 
@@ -59,7 +59,7 @@ def write_random_checkpoint(path: Path, layers: int, seed: int, shard_bytes: int
     shard by shard (never the whole model in host memory). Needs CUDA for the generator."""
     from transformers import Qwen3MoeConfig
 
-    from samebits.model.loader import expected_shapes, save_tensor_stream
+    from samebits.model.qwen3_moe.loader import expected_shapes, save_tensor_stream
 
     cfg = Qwen3MoeConfig(num_hidden_layers=layers, **QWEN3_30B_A3B).to_dict()
     cfg["architectures"], cfg["dtype"] = ["Qwen3MoeForCausalLM"], "bfloat16"
@@ -99,6 +99,39 @@ def step_bytes(cfg: ModelConfig, batch: int, context: int, dtype_bytes: int = 2)
     per_layer = attn + touched * expert + e * h
     kv = batch * context * 2 * cfg.num_key_value_heads * d
     return dtype_bytes * (cfg.num_hidden_layers * (per_layer + kv) + cfg.vocab_size * h + batch * h)
+
+
+# the floors `samebits bench` states per row (docs/speed-measurements.md has the arithmetic):
+# the card's nominal HBM bandwidth, bytes/s, by a substring of torch's device name (H100 SXM:
+# "NVIDIA H100 80GB HBM3"), and the bf16 dense rate issue 45 takes for the prefill floor
+NOMINAL_BANDWIDTH = (("H200", 4.8e12), ("H100 80GB HBM3", 3.35e12), ("H100 SXM", 3.35e12))
+PREFILL_FLOPS = 790e12
+
+
+def nominal_bandwidth(device_name: str) -> float | None:
+    """The card's nominal memory bandwidth in bytes/s, or None for a card not listed."""
+    return next((bw for key, bw in NOMINAL_BANDWIDTH if key in device_name), None)
+
+
+def prefill_flops_per_token(cfg: ModelConfig, context: int) -> float:
+    """FLOPs of one prompt token in a prefill of `context`-token prompts: 2 per active
+    weight (attention projections, the router, top-k experts; no lm_head, which a prefill
+    with max_tokens=1 applies to the last token only) plus causal attention's QK^T and PV at
+    the mean causal length (context + 1) / 2."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    attn = h * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    experts = cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size
+    router = cfg.num_experts * h
+    scores = 2 * 2 * cfg.num_attention_heads * d * (context + 1) / 2
+    return cfg.num_hidden_layers * (2 * (attn + experts + router) + scores)
+
+
+def floors(cfg: ModelConfig, batch: int, context: int, device_name: str) -> tuple[float | None, float]:
+    """(decode floor ms at the card's nominal bandwidth, or None for an unlisted card;
+    prefill floor tok/s at PREFILL_FLOPS)."""
+    bw = nominal_bandwidth(device_name)
+    decode = None if bw is None else 1000 * step_bytes(cfg, batch, context) / bw
+    return decode, PREFILL_FLOPS / prefill_flops_per_token(cfg, context)
 
 
 replay_ms: dict[tuple[str, int], float] = {}  # (profile, batch) -> CUDA-graph replay alone
@@ -207,9 +240,11 @@ def measure_engine_arm(
         ms = engine_step_ms(llm, b, context, steps)
         row = Row(arm, b, context, ms, 1000 * b / ms, 1000 * step_bytes(llm.config, b, context) / bandwidth)
         row.replay_ms = replay_ms.get((arm, b))
+        row.nominal_floor_ms, row.prefill_floor_tok_s = floors(llm.config, b, context, _device_name(llm))
         if generate_steps:
             gen = measure_generate(llm, b, context, extra=generate_steps)
             row.generate_ms, row.prefill_tok_s = gen.decode_ms, gen.prefill_tok_s
+            row.generate_difference_ms = gen.difference_ms
         rows.append(row)
         log(
             f"{arm:>6} batch {b:>4}: generate {_ms(row.generate_ms)} ms/token, step {ms:.2f} ms, "
@@ -246,6 +281,11 @@ def engine_limits(
     if max_num_batched_tokens is not None:
         limits["max_num_batched_tokens"] = max_num_batched_tokens
     return limits
+
+
+def _device_name(llm) -> str:
+    device = torch.device(llm.engine.device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def _ms(v: float | None) -> str:
@@ -327,7 +367,10 @@ def run(
     if engine_arms:
         t0 = time.perf_counter()
         limits = engine_limits(batches, context, generate_steps, rollout, max_num_batched_tokens)
-        llm = LLM(model, device="cuda", async_scheduling=async_scheduling, **limits)
+        # prefix caching off: a repeated prompt would skip its prefill in a timed call
+        llm = LLM(
+            model, device="cuda", async_scheduling=async_scheduling, enable_prefix_caching=False, **limits
+        )
         result.meta["async_scheduling"] = llm.core.async_scheduling
         result.meta["max_num_batched_tokens"] = llm.engine.resolved_batched_tokens()
         log(f"engine built in {time.perf_counter() - t0:.0f} s")

@@ -151,26 +151,54 @@ def timed_decode_steps(
     return seconds, steps
 
 
-def measure_generate(llm, batch: int, context: int, extra: int = 64, seed: int = 0) -> GenerateTimes:
+def warm_generate(llm, prompts: list[list[int]], max_tokens: int, seed: int = 0) -> None:
+    """One untimed `llm.generate` call of the shape a timed call will have (batch, prompt
+    length, max_tokens): the first call at a new shape compiles Triton kernels for the
+    prefill chunks it runs (and captures CUDA graphs), which a timed call must not include."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=seed)
+    _check_ran_to(llm.generate(prompts, params, progress=False), max_tokens, "warm_generate")
+    sync(llm)
+
+
+def _hits(llm) -> int:
+    return llm.core.stats.prefix_cache_hits
+
+
+def measure_generate(
+    llm, batch: int, context: int, extra: int = 64, seed: int = 0, warm: bool = True
+) -> GenerateTimes:
     """Prefill tok/s and decode ms per token of `batch` prompts of `context` tokens, all
-    through `llm.generate`. A first call (discarded) compiles kernels and captures the CUDA
-    graphs of every batch size the calls pass through. The last call (`first + extra`
-    tokens, through the engine core as generate drives it) times each step in which all B
-    rows decode: decode_ms is their median. `extra` is raised to `first` when that is
-    larger, for `difference_ms`, the difference of two wall times, where a few percent of
-    noise between calls with a long prefill phase (at batch 256 x 1k tokens, 148 steps
-    against 32) swamped it."""
+    through `llm.generate`. Before timing, each timed shape (max_tokens 1, `first` and
+    `first + extra`, at this batch and prompt length) runs once untimed (`warm_generate`):
+    the first call at a new size includes Triton JIT compiles of the prefill kernels, which
+    made (t_N - t_1) undercount decode (10 ms at batch 64 on an H100, below the floor).
+    `warm=False` skips them (the tests' negative control only). Every call gets fresh
+    prompts, and a timed call whose prompts hit the prefix cache (it skipped prefill) is
+    refused. The last call (`first + extra` tokens, through the engine core as generate
+    drives it) times each step in which all B rows decode: decode_ms is their median.
+    `extra` is raised to `first` when that is larger, for `difference_ms`, the difference of
+    two wall times, where a few percent of noise between calls with a long prefill phase (at
+    batch 256 x 1k tokens, 148 steps against 32) swamped it."""
     if extra < 1:
         raise ValueError(f"extra must be an int >= 1, got {extra!r}")
     first = first_decode_tokens(batch, context, llm.engine.resolved_batched_tokens())
     extra = max(extra, first)
+    shapes = (1, first, first + extra)  # max_tokens of the timed calls, in order
 
     def prompts(i: int) -> list[list[int]]:  # fresh prompts each call: no cache could reuse a prefill
         return random_prompts(llm.config.vocab_size, batch, context, seed=seed + 1000 * batch + i)
 
-    timed_generate(llm, prompts(0), first, seed=seed)  # warm-up
+    if warm:
+        for i, n in enumerate(shapes):
+            warm_generate(llm, prompts(10 + i), n, seed=seed)
+    hits = _hits(llm)
     prefill_s, first_s = (timed_generate(llm, prompts(i), n, seed=seed) for i, n in ((1, 1), (2, first)))
     last_s, steps = timed_decode_steps(llm, prompts(3), first + extra, seed=seed)
+    if _hits(llm) != hits:
+        raise RuntimeError(
+            f"measure_generate: {_hits(llm) - hits} prompt tokens of the timed calls came from the prefix "
+            "cache (their prefill was skipped); build the LLM with enable_prefix_caching=False"
+        )
     return GenerateTimes(batch, context, prefill_s, first, first_s, first + extra, last_s, tuple(steps))
 
 

@@ -24,6 +24,10 @@ class Row:
     `LLM.generate` (the median step in which all B rows decode; None when not measured);
     `replay_ms`: the CUDA-graph replay alone;
     `prefill_tok_s`: prompt tokens/s of `batch` prompts of `context` tokens through generate.
+    `floor_ms`: the step's bytes over the copy bandwidth measured in the run;
+    `nominal_floor_ms`: the same bytes over the card's nominal bandwidth (the decode floor of
+    docs/speed-measurements.md; None on a card not listed); `prefill_floor_tok_s`: the
+    prefill's FLOPs per token at 790 TFLOP/s.
     """
 
     arm: str
@@ -35,6 +39,23 @@ class Row:
     generate_ms: float | None = None
     replay_ms: float | None = None
     prefill_tok_s: float | None = None
+    nominal_floor_ms: float | None = None
+    prefill_floor_tok_s: float | None = None
+    generate_difference_ms: float | None = None  # (t_last - t_first) / (last - first) of generate calls
+
+    @property
+    def generate_over_floor(self) -> float | None:
+        """Decode through generate over its nominal floor (1.0: at the floor)."""
+        if self.generate_ms is None or self.nominal_floor_ms is None:
+            return None
+        return self.generate_ms / self.nominal_floor_ms
+
+    @property
+    def prefill_over_floor(self) -> float | None:
+        """Prefill time over its FLOP floor (1.0: at the floor): floor tok/s over measured."""
+        if not self.prefill_tok_s or self.prefill_floor_tok_s is None:
+            return None
+        return self.prefill_floor_tok_s / self.prefill_tok_s
 
     @property
     def floor_fraction(self) -> float:
@@ -43,7 +64,12 @@ class Row:
 
     def as_dict(self) -> dict:
         generate_tok_s = None if self.generate_ms is None else 1000 * self.batch / self.generate_ms
-        return asdict(self) | {"floor_fraction": self.floor_fraction, "generate_tokens_per_s": generate_tok_s}
+        return asdict(self) | {
+            "floor_fraction": self.floor_fraction,
+            "generate_tokens_per_s": generate_tok_s,
+            "generate_over_floor": self.generate_over_floor,
+            "prefill_over_floor": self.prefill_over_floor,
+        }
 
 
 @dataclass
@@ -79,7 +105,11 @@ def table_rows(result: BenchResult) -> list[tuple[str, str, list[float | None], 
             ("engine step (runner)", str(b), pick("step_ms", ("exact", "fast")), "ms"),
             ("CUDA-graph replay", str(b), pick("replay_ms"), "ms"),
             ("memory floor", str(b), pick("floor_ms"), "ms"),
+            ("decode floor (nominal bandwidth)", str(b), pick("nominal_floor_ms"), "ms"),
+            ("decode through generate / floor", str(b), pick("generate_over_floor"), "x"),
             ("prefill through generate", str(b), pick("prefill_tok_s"), "tok/s"),
+            ("prefill floor (790 TFLOP/s)", str(b), pick("prefill_floor_tok_s"), "tok/s"),
+            ("prefill time / floor", str(b), pick("prefill_over_floor"), "x"),
         ]
     if result.rollout:
         r = next(iter(result.rollout.values()))  # every arm runs the same shape
@@ -122,7 +152,7 @@ def print_table(result: BenchResult, console=None) -> None:
         if last_batch is not None and batch != last_batch:
             t.add_section()
         last_batch = batch
-        ratio = "" if measure == "memory floor" else exact_over_fast(vals, unit)  # the same bytes
+        ratio = "" if "floor" in measure else exact_over_fast(vals, unit)  # the same bytes and FLOPs
         t.add_row(measure, batch, unit, *[_fmt(v, unit) for v in vals], ratio)
     (console or Console(width=160)).print(t)
 
@@ -143,7 +173,12 @@ def write_outputs(result: BenchResult, out: Path, plot: bool = True) -> list[Pat
     }
     written = [out / "bench.json", out / "bench.csv"]
     _replace(written[0], json.dumps(data, indent=2))
-    fields = list(Row.__dataclass_fields__) + ["floor_fraction", "generate_tokens_per_s"]
+    fields = list(Row.__dataclass_fields__) + [
+        "floor_fraction",
+        "generate_tokens_per_s",
+        "generate_over_floor",
+        "prefill_over_floor",
+    ]
     text = io.StringIO(newline="")
     w = csv.DictWriter(text, fieldnames=fields)
     w.writeheader()

@@ -27,9 +27,9 @@ import torch
 from samebits.engine.digest import tensor_digest
 from samebits.engine.weight_store import Slot, WeightStore
 from samebits.model import checkpoint_checks as checks
-from samebits.model.config import UnsupportedCheckpointError
+from samebits.model.config_files import UnsupportedCheckpointError
 from samebits.model.families import family_for
-from samebits.model.loader import _read_headers
+from samebits.model.qwen3_moe.loader import _read_headers
 from samebits.progress import maybe_progress
 
 WHERE = "update_weights_from_disk"

@@ -1,6 +1,6 @@
 """Checks every loader runs before serving a checkpoint: files, index, dtypes, values.
 
-Shared by the engine's loaders (`model/loader.py`, `model/omni_loader.py`) and the
+Shared by the engine's loaders (`model/qwen3_moe/loader.py`, `model/qwen3_omni/loader.py`) and the
 trainer's `load_hf_model`, so both refuse the same checkpoints with the same words.
 Each refusal is an UnsupportedCheckpointError naming the file, tensor or field.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from samebits.model.config import UnsupportedCheckpointError
+from samebits.model.config_files import UnsupportedCheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

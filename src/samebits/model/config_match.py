@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from samebits.model.config import ModelConfig, UnsupportedCheckpointError
+from samebits.model.config_files import UnsupportedCheckpointError
+from samebits.model.qwen3_moe.config import ModelConfig
 
 # not part of the weights' shape: the stored dtype (cast on load), stop ids, and the
 # architecture within a family (a full Omni checkpoint or its thinker alone)

@@ -7,8 +7,10 @@ from pathlib import Path
 
 from samebits.model.config_files import read_config_json
 from samebits.model.family import ModelFamily
-from samebits.model.omni_family import Qwen3OmniFamily
-from samebits.model.qwen3_moe import Qwen3MoeFamily
+from samebits.model.qwen3_moe.config import ModelConfig
+from samebits.model.qwen3_moe.family import Qwen3MoeFamily
+from samebits.model.qwen3_omni.config import OmniConfig, omni_model_type
+from samebits.model.qwen3_omni.family import Qwen3OmniFamily
 
 FAMILIES: tuple[type, ...] = (Qwen3OmniFamily, Qwen3MoeFamily)
 DEFAULT = Qwen3MoeFamily  # a causal LM with plain positions; its loader refuses what it cannot run
@@ -28,3 +30,17 @@ def _config_dict(source) -> dict:
     if isinstance(source, str | Path):
         return read_config_json(source)  # a missing file or bad JSON refused by name
     return source.to_dict()  # a transformers PretrainedConfig
+
+
+def check_checkpoint_config(path: str | Path):
+    """Validate a checkpoint's `config.json` and `generation_config.json` exactly as the engine
+    does, before any work: the one check `LLM` and `trainer.load_hf_model` share.
+
+    Returns the validated `ModelConfig` (Qwen3-MoE) or `OmniConfig` (Qwen3-Omni); raises
+    UnsupportedCheckpointError naming the file and field (a missing or unreadable file, bad
+    JSON, a missing or impossible field, an unsupported model type, rope or quantisation).
+    """
+    raw = read_config_json(path)
+    if omni_model_type(raw) is not None:
+        return OmniConfig.from_pretrained(path)
+    return ModelConfig.from_pretrained(path)

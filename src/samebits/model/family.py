@@ -2,7 +2,7 @@
 
 `LLM`, the runner, the CUDA graphs and `trainer.token_logprobs` call only this protocol;
 none of them knows which family it runs. The families are `Qwen3MoeFamily`
-(`model/qwen3_moe.py`) and `Qwen3OmniFamily` (`model/omni_family.py`); `model/families.py`
+(`model/qwen3_moe/family.py`) and `Qwen3OmniFamily` (`model/qwen3_omni/family.py`); `model/families.py`
 picks one from a checkpoint's config.
 
 Engine side (one family object per loaded model):
@@ -36,7 +36,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 import torch
 from torch import nn
 
-from samebits.model.config import ModelConfig
+from samebits.model.qwen3_moe.config import ModelConfig
 
 
 class Span(NamedTuple):

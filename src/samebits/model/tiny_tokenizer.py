@@ -61,7 +61,7 @@ def add_tiny_tokenizer(path: str | Path) -> Path:
 
 def tiny_checkpoint_with_tokenizer(seed: int = 0) -> Path:
     """The cached tiny checkpoint plus the tiny tokenizer, in a sibling cache folder, built once."""
-    from samebits.model.tiny import build_atomically, tiny_checkpoint_cache
+    from samebits.model.qwen3_moe.tiny import build_atomically, tiny_checkpoint_cache
 
     base = tiny_checkpoint_cache(seed=seed)
     final = base.parent / f"{base.name}-tokenizer"

@@ -244,7 +244,7 @@ def model_path(config: RLConfig) -> Path:
     """The checkpoint directory: `config.model`, or the built-in tiny model's cache folder."""
     if config.model is not None:
         return Path(config.model)
-    from samebits.model.tiny import tiny_checkpoint_cache
+    from samebits.model.qwen3_moe.tiny import tiny_checkpoint_cache
 
     return tiny_checkpoint_cache(dtype=DTYPES[config.dtype])
 

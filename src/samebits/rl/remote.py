@@ -8,11 +8,14 @@ as an external framework (verl, slime, OpenRLHF) drives SGLang: rollouts are con
 CUDA IPC handles (`"tensor"`, a server on the same GPU), digests through `/weight_digests`.
 
 `server="spawn"` starts `samebits serve` on 127.0.0.1 for the run (stopped by its PID at the
-end); any other value is the URL of a running server.
+end); any other value is the URL of a running server. The key sent to it, if any, is
+$VLLM_API_KEY (`samebits rl --api-key` sets it): kept out of the config, so out of the run's
+files.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,7 +24,7 @@ from pathlib import Path
 import torch
 
 from samebits.client import Client, spawn_server, stop_server
-from samebits.model.config import ModelConfig
+from samebits.model.qwen3_moe.config import ModelConfig
 
 
 @dataclass
@@ -38,18 +41,19 @@ class RemoteEngine:
 
     def __init__(self, server: str, path: Path, config):
         self.proc = None
-        url = self._spawn(path, config) if server == "spawn" else server
+        key = os.environ.get("VLLM_API_KEY") or None
+        url = self._spawn(path, config, key) if server == "spawn" else server
         self.config = ModelConfig.from_pretrained(path)  # vocab_size for the prompts
-        self.client = Client(url, timeout=3600)
+        self.client = Client(url, timeout=3600, api_key=key)
         self.sync = config.weight_sync
         if self.sync == "distributed":
             backend = "nccl" if torch.device(config.device).type == "cuda" else "gloo"
             self.client.init_weights_update_group("127.0.0.1", _free_port(), backend=backend)
 
-    def _spawn(self, path: Path, config) -> str:
+    def _spawn(self, path: Path, config, key: str | None) -> str:
         args = ["--device", config.device, "--dtype", config.dtype, "--numerics", config.engine_numerics]
         args += ["--max-num-seqs", str(config.num_sequences), "--max-model-len", str(config.max_model_len)]
-        self.proc, url = spawn_server(path, *args)
+        self.proc, url = spawn_server(path, *args, api_key=key)
         return url
 
     # -- what RLLoop calls --------------------------------------------------------------

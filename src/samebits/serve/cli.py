@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
 import socket
 import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from samebits import cli_checks
+from samebits.serve.auth import Keys
+from samebits.serve.limits import Limits
 
 
 def add_parser(sub) -> None:
@@ -22,7 +26,7 @@ def add_parser(sub) -> None:
         "/release_memory_occupation, /resume_memory_occupation, /flush_cache, /get_weight_version, "
         "plus /weight_digests and /weight_specs (docs/serve.md). Logs one line when ready. "
         "With no --model: the built-in tiny model with a "
-        "tiny byte-level tokenizer (CPU).",
+        "tiny byte-level tokenizer (CPU). Keys and limits: docs/serve.md, 'Security'.",
     )
     s.add_argument(
         "--model",
@@ -69,7 +73,114 @@ def add_parser(sub) -> None:
         "tokens and bits under --numerics exact; default: on for CUDA, off on the CPU)",
     )
     s.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    _add_security(s)
     s.set_defaults(fn=run)
+
+
+def _add_security(s) -> None:
+    g = s.add_argument_group("keys (docs/serve.md, 'Security')")
+    g.add_argument(
+        "--api-key",
+        nargs="+",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics (several "
+        "keys: any of them; default: $VLLM_API_KEY, as vLLM; unset: open)",
+    )
+    g.add_argument(
+        "--admin-api-key",
+        nargs="+",
+        default=None,
+        metavar="KEY",
+        help="the key of the endpoints that change or reveal the model or the server's state (weight "
+        "updates, groups, memory, flush_cache, digests, specs, abort_all); default: "
+        "$SAMEBITS_ADMIN_API_KEY, else the --api-key keys",
+    )
+    g.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="bind a non-loopback --host with the admin endpoints open (refused otherwise; logged)",
+    )
+    g.add_argument(
+        "--allowed-weight-dirs",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="/update_weights_from_disk reads only under these directories, symlinks resolved "
+        "(default: the directory the model was loaded from)",
+    )
+    g = s.add_argument_group("limits per request, refused before any work (docs/serve.md, 'Security')")
+    d = Limits()
+    g.add_argument(
+        "--max-body-bytes", type=cli_checks.positive_int, default=d.max_body_bytes,
+        help=f"request body size, 413 above (default {d.max_body_bytes})",
+    )  # fmt: skip
+    g.add_argument("--max-n", type=cli_checks.positive_int, default=d.max_n, help=f"n (default {d.max_n})")
+    g.add_argument(
+        "--max-tokens-limit", type=cli_checks.positive_int, default=None,
+        help="max_tokens / max_new_tokens (default: only prompt + max_tokens <= --max-model-len)",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-top-logprobs", type=cli_checks.positive_int, default=d.max_top_logprobs,
+        help=f"top log-probs per token (default {d.max_top_logprobs})",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-stop-strings", type=cli_checks.positive_int, default=d.max_stop_strings,
+        help=f"stop strings per request (default {d.max_stop_strings})",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-stop-string-chars", type=cli_checks.positive_int, default=d.max_stop_string_chars,
+        help=f"characters of one stop string (default {d.max_stop_string_chars})",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-concurrent-streams", type=cli_checks.positive_int, default=d.max_concurrent_streams,
+        help="engine streams open at once (one per prompt, streamed or not), 429 above "
+        f"(default {d.max_concurrent_streams})",
+    )  # fmt: skip
+
+
+def security(args, model: Path) -> tuple[Keys, Limits, list[Path]]:
+    """The keys, limits and weight dirs of the options (ValueError naming the option); refuses
+    a non-loopback --host with the admin endpoints open unless --allow-unauthenticated."""
+    api = args.api_key or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else [])
+    env_admin = os.environ.get("SAMEBITS_ADMIN_API_KEY")
+    admin = args.admin_api_key or ([env_admin] if env_admin else [])
+    keys = Keys.of(api, admin)
+    if not keys.admin_guarded and not _loopback(args.host):
+        if not args.allow_unauthenticated:
+            raise ValueError(
+                f"--host {args.host} is not loopback and the weight endpoints would be open: set "
+                "--admin-api-key KEY (or $SAMEBITS_ADMIN_API_KEY), or pass --allow-unauthenticated"
+            )
+        print(
+            f"samebits serve: WARNING: --allow-unauthenticated: {args.host} serves the weight and admin "
+            "endpoints to anyone who reaches it",
+            file=sys.stderr,
+            flush=True,
+        )
+    limits = Limits(
+        max_body_bytes=args.max_body_bytes,
+        max_n=args.max_n,
+        max_tokens=args.max_tokens_limit,
+        max_top_logprobs=args.max_top_logprobs,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_chars=args.max_stop_string_chars,
+        max_concurrent_streams=args.max_concurrent_streams,
+    )
+    dirs = [Path(d) for d in args.allowed_weight_dirs] if args.allowed_weight_dirs else [model]
+    for d in dirs:
+        if not d.is_dir():
+            raise ValueError(f"--allowed-weight-dirs: {str(d)!r} is not a directory")
+    return keys, limits, dirs
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
 
 
 def run(args) -> int:
@@ -79,6 +190,11 @@ def run(args) -> int:
     from samebits.serve.app import build_app
 
     model = args.model or _tiny_model()  # --model: a directory, or a cached hub id's snapshot
+    try:
+        keys, limits, weight_dirs = security(args, model)
+    except ValueError as e:  # before the engine starts: nothing to stop
+        print(f"samebits serve: {e}", file=sys.stderr)
+        return 2
     try:
         engine = EngineProcess(
             dict(
@@ -110,7 +226,7 @@ def run(args) -> int:
         return 2
     sock.listen(2048)
     port = sock.getsockname()[1]
-    app = build_app(engine, name)
+    app = build_app(engine, name, keys, limits, weight_dirs)
 
     @asynccontextmanager
     async def lifespan(_):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+from starlette.responses import JSONResponse
 
 from samebits.engine.async_engine import EngineDeadError
 from samebits.serve.streams import sse

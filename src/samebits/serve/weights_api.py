@@ -15,9 +15,15 @@ Updates run between engine steps once nothing is in flight: running requests fin
 weights and new ones wait, unless `abort_all_requests` aborts the running ones (see
 `engine.engine_child`). A refused update answers 400 with the reason naming the tensor; the old
 weights keep serving. A broken connection halfway answers 500, same weights.
+
+/update_weights_from_disk reads only under the allowed directories (`samebits serve
+--allowed-weight-dirs`, default the model's own): the path's symlinks are resolved first.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -96,8 +102,24 @@ async def _run(engine, method: str, **kwargs) -> JSONResponse:
     return _answer(True, "" if value is None else str(value))
 
 
-def register(app: FastAPI, engine) -> None:
-    """Add the weight and memory routes for an engine with `call` (an EngineProcess)."""
+def outside_allowed(model_path: str, allowed: list | None) -> str | None:
+    """Why `model_path` may not be read (None: it may): not under any allowed directory once
+    every symlink of both is resolved. The engine is then given the resolved path, so a link
+    swapped after the check does not move the read."""
+    if allowed is None:
+        return None
+    real = Path(os.path.realpath(model_path))
+    roots = [Path(os.path.realpath(d)) for d in allowed]
+    if any(real.is_relative_to(r) for r in roots):
+        return None
+    shown = f"{model_path!r}" + (f" (resolved: {str(real)!r})" if str(real) != model_path else "")
+    where = ", ".join(map(str, roots)) or "nothing"
+    return f"model_path: {shown} is not under --allowed-weight-dirs ({where})"
+
+
+def register(app: FastAPI, engine, allowed_weight_dirs: list | None = None) -> None:
+    """Add the weight and memory routes for an engine with `call` (an EngineProcess);
+    /update_weights_from_disk reads only under `allowed_weight_dirs` (None: anywhere)."""
 
     @app.post("/init_weights_update_group")
     async def init_group(body: InitWeightsUpdateGroup):
@@ -120,6 +142,11 @@ def register(app: FastAPI, engine) -> None:
         kwargs = body.model_dump(exclude={"flush_cache", "load_format"})
         if body.load_format not in (None, "auto", "safetensors"):
             return _answer(False, f"load_format: {body.load_format!r} is not supported (safetensors only)", 400)
+        refused = outside_allowed(body.model_path, allowed_weight_dirs)
+        if refused:
+            return _answer(False, refused, 400)
+        if allowed_weight_dirs is not None:
+            kwargs["model_path"] = os.path.realpath(body.model_path)
         return await _run(engine, "update_weights_from_disk", **kwargs)
 
     @app.post("/release_memory_occupation")

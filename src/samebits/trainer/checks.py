@@ -10,7 +10,7 @@ dtypes) and right after loading for the rest (names, shapes, values).
 from __future__ import annotations
 
 from samebits.model import checkpoint_checks as checks
-from samebits.model.config import check_checkpoint_config
+from samebits.model.families import check_checkpoint_config
 from samebits.model.hub import resolve_model_path
 
 

@@ -57,9 +57,19 @@ def check_transformers_numerics(model: nn.Module) -> None:
     if model in _PROBED:
         return
     with _unswapped(model), torch.no_grad(), batch_invariant():
-        for probe in _probes(model):
+        for probe in _probes(model) if not _sharded(model) else [lambda: _probe_line(_param(model).device)]:
             probe()
     _PROBED.add(model)
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 (`fully_shard`) shards `model`: its modules' parameters are gathered and
+    cast only inside the sharded module's forward hooks, so a probe calling sub-modules one by
+    one would compare a bf16 layer with float32 shards. Such a model gets the log-prob line's
+    probe only; its modules are probed on the unsharded copy before sharding (`rl/fsdp.py`
+    checks the host model; a user sharding their own calls this before `fully_shard`)."""
+    fsdp = getattr(getattr(torch.distributed, "fsdp", None), "FSDPModule", None)
+    return fsdp is not None and any(isinstance(m, fsdp) for m in model.modules())
 
 
 def _probes(model: nn.Module):

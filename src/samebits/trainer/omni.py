@@ -2,15 +2,15 @@
 `Qwen3OmniMoeThinkerForConditionalGeneration` with samebits experts and text attention.
 
 `token_logprobs` handles its multimodal sequences through the Omni model family
-(`model/omni_family.py`): 4-row positions [text; T; H; W] and the processor tensors.
+(`model/qwen3_omni/family.py`): 4-row positions [text; T; H; W] and the processor tensors.
 """
 
 from __future__ import annotations
 
 import torch
 
-from samebits.model.config import check_checkpoint_config
-from samebits.model.omni import ENCODER_ATTENTION, reset_encoder_buffers
+from samebits.model.families import check_checkpoint_config
+from samebits.model.qwen3_omni.model import ENCODER_ATTENTION, reset_encoder_buffers
 from samebits.numerics.ops import rotary_inv_freq
 from samebits.trainer.drift import check_transformers_numerics
 from samebits.trainer.hub_kernels import refuse_hub_kernels

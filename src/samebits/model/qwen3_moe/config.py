@@ -2,9 +2,9 @@
 samebits validates what it can serve exactly on top and keeps a frozen view.
 
 Every refusal is an `UnsupportedCheckpointError` raised before any weight is read, whose
-message names the file and the field and says what to do. `check_checkpoint_config` is the
-one entry both the engine (`LLM`) and `trainer.load_hf_model` use, so both refuse the same
-checkpoints.
+message names the file and the field and says what to do. `check_checkpoint_config`
+(`model/families.py`) is the one entry both the engine (`LLM`) and `trainer.load_hf_model`
+use, so both refuse the same checkpoints.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from samebits.model.config_files import (
     read_config_json,
 )
 
-__all__ = ["ModelConfig", "UnsupportedCheckpointError", "check_checkpoint_config"]
+__all__ = ["ModelConfig", "UnsupportedCheckpointError"]
 
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 SUPPORTED_ARCHITECTURES = (QWEN3_MOE,)
@@ -141,22 +141,6 @@ class ModelConfig:
         eos = generation_eos(path, hf.eos_token_id, hf.vocab_size)
         with named(file):
             return cls.from_hf(hf, eos, extra=raw)
-
-
-def check_checkpoint_config(path: str | Path):
-    """Validate a checkpoint's `config.json` and `generation_config.json` exactly as the engine
-    does, before any work: the one check `LLM` and `trainer.load_hf_model` share.
-
-    Returns the validated `ModelConfig` (Qwen3-MoE) or `OmniConfig` (Qwen3-Omni); raises
-    UnsupportedCheckpointError naming the file and field (a missing or unreadable file, bad
-    JSON, a missing or impossible field, an unsupported model type, rope or quantisation).
-    """
-    from samebits.model.omni_config import OmniConfig, omni_model_type  # it imports this module
-
-    raw = read_config_json(path)
-    if omni_model_type(raw) is not None:
-        return OmniConfig.from_pretrained(path)
-    return ModelConfig.from_pretrained(path)
 
 
 # -- validation ----------------------------------------------------------------------------

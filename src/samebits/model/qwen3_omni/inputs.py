@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from samebits.model.omni_config import OmniConfig
+from samebits.model.qwen3_omni.config import OmniConfig
 from samebits.requests import MultimodalPrompt
 
 

@@ -4,7 +4,7 @@ in `model/family.py` means for the thinker.
 - load: a full Omni or a thinker-only checkpoint, or shared weights under the thinker's
   transformers names (a colocated trainer's `named_parameters()`).
 - prepare: a prompt (token ids, str, `MultimodalPrompt` or processor dict) is checked against
-  the checkpoint's encoders; its state holds its M-RoPE positions (`model/omni_inputs.py`).
+  the checkpoint's encoders; its state holds its M-RoPE positions (`model/qwen3_omni/inputs.py`).
 - positions: [3, T] float32 T/H/W rows; decode continues at `index + rope_delta`.
 - step_inputs: `{"multimodal": MultimodalRows}` when the step covers placeholder rows (the
   encoders run at the first such step, under the step's numerics profile); {} otherwise, so
@@ -22,15 +22,15 @@ import torch
 from samebits.model.config_match import config_differences, refuse_other_shape
 from samebits.model.family import build_model
 from samebits.model.host_copy import to_device
-from samebits.model.omni import MultimodalRows, Qwen3OmniThinker, RopeIndex
-from samebits.model.omni_config import OmniConfig, omni_architecture
-from samebits.model.omni_inputs import MultimodalState, check_prompt, encode, new_state
-from samebits.model.omni_loader import (
+from samebits.model.qwen3_omni.config import OmniConfig, omni_architecture
+from samebits.model.qwen3_omni.inputs import MultimodalState, check_prompt, encode, new_state
+from samebits.model.qwen3_omni.loader import (
     ThinkerWeights,
     canonical_name,
     load_thinker_weights,
     shared_thinker_weights,
 )
+from samebits.model.qwen3_omni.model import MultimodalRows, Qwen3OmniThinker, RopeIndex
 from samebits.requests import MultimodalPrompt, as_multimodal
 
 _OMNI_FIELDS = (  # the thinker's fields beside the text decoder's that its weights are trained for

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from samebits.model.omni_inputs import audio_output_lengths
+from samebits.model.qwen3_omni.inputs import audio_output_lengths
 from samebits.requests import MultimodalPrompt
 
 IDS = dict(

@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from samebits.model import config_files as _c
-from samebits.model.config import ModelConfig, UnsupportedCheckpointError, architectures, check_required
+from samebits.model.qwen3_moe.config import (
+    ModelConfig,
+    UnsupportedCheckpointError,
+    architectures,
+    check_required,
+)
 
 OMNI_FULL = "Qwen3OmniMoeForConditionalGeneration"
 OMNI_THINKER = "Qwen3OmniMoeThinkerForConditionalGeneration"

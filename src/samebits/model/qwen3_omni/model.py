@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from samebits.model.attention import AttentionBatch
-from samebits.model.omni_config import OmniConfig
-from samebits.model.qwen3_moe import Qwen3MoeModel, dense
+from samebits.model.qwen3_moe.model import Qwen3MoeModel, dense
+from samebits.model.qwen3_omni.config import OmniConfig
 from samebits.numerics import ops
 
 ENCODER_ATTENTION = "eager"  # per-image/per-window attention through the batch-invariant bmm/softmax

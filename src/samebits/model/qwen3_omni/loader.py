@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from samebits.model import checkpoint_checks as checks
-from samebits.model import loader
-from samebits.model.config import UnsupportedCheckpointError
-from samebits.model.omni_config import OMNI_FULL, OmniConfig
+from samebits.model.config_files import UnsupportedCheckpointError
+from samebits.model.qwen3_moe import loader
+from samebits.model.qwen3_omni.config import OMNI_FULL, OmniConfig
 
 TEXT, VISION, AUDIO = "model.language_model.", "model.visual.", "model.audio_tower."
 _SKIPPED = ("talker.", "code2wav.")  # the full Omni model's speech parts

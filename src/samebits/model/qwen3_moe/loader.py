@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from samebits.model import checkpoint_checks as checks
 from samebits.model.checkpoint_checks import INDEX_FILE, SINGLE_FILE
-from samebits.model.config import ModelConfig, UnsupportedCheckpointError
+from samebits.model.qwen3_moe.config import ModelConfig, UnsupportedCheckpointError
 from samebits.progress import maybe_progress
 
 # model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight -> (layer prefix, e, kind)

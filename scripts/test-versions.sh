@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The two points of pyproject's ranges CI tests beside the pin (scripts/test.sh), each in a venv
+# of its own (docs/transformers-versions.md says what is tested where):
+#
+#   bash scripts/test-versions.sh floor    # each direct dependency at pyproject's floor
+#                                          # (scripts/constraints-floor.txt): all but the slow tests
+#   bash scripts/test-versions.sh newest   # the newest releases pip resolves from pyproject alone:
+#                                          # the whole suite; a failure here fails CI
+#
+# torch is the CPU 2.13.0 in both: the newer torch the registry has is a CUDA build of several GB,
+# and torch's floor (2.11) runs on the GPU machine. Extra args pass to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+point=${1:-}
+shift || true
+case "$point" in
+floor) venv=.venv-floor constraints=(-c scripts/constraints-floor.txt) ;;
+newest) venv=.venv-newest constraints=() ;;
+*)
+    sed -n 2,11p "$0"
+    exit 2
+    ;;
+esac
+[ "$point" = newest ] && rm -rf $venv  # fresh: what pip resolves today, not what it resolved before
+[ -x $venv/bin/python ] || python3 -m venv $venv
+. $venv/bin/activate
+python -m pip install -q --upgrade pip > /dev/null
+python -m pip install -q "torch==2.13.0"
+python -m pip install -q ${constraints[@]+"${constraints[@]}"} -e ".[test,plot]"
+python -m pip list 2> /dev/null | grep -iE '^(torch|transformers|numpy|safetensors|rich|fastapi|uvicorn|prometheus.client|kernels|huggingface.hub) '
+if [ "$point" = floor ]; then
+    python -m pytest -q -p no:cacheprovider -m "not slow" "$@"  # the core: all but the slow tests
+else
+    python -m pytest -q -p no:cacheprovider "$@"
+fi

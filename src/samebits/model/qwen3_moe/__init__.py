@@ -1,0 +1,1 @@
+"""Qwen3-MoE (`Qwen3MoeForCausalLM`): config, loader, decoder, family, tiny model."""
