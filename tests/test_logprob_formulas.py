@@ -68,6 +68,24 @@ def test_mixed_batch_each_row_equals_its_formula_on_the_hf_logits(mixed):
         assert torch.equal(out.logprobs, want), (formula, t, out.logprobs, want)
 
 
+def test_control_engine_rows_are_not_the_default_line(mixed):
+    # The claim above could pass if the engine ignored the field and every line gave the default's
+    # bits on the tiny model. It doesn't: each non-default row set, read by the default line
+    # instead, differs somewhere (cross_entropy excepted: its bits are log_softmax's).
+    cases, outs, model = mixed
+    for formula in lf.FORMULAS:
+        if formula in ("log_softmax", "cross_entropy"):
+            continue
+        got, default = [], []
+        for (f, t), out in zip(cases, outs, strict=True):
+            if f == formula:
+                logits, ids = _hf_logits(model, out)
+                with batch_invariant():
+                    default.append(_line("log_softmax", logits, ids, t))
+                got.append(out.logprobs)
+        assert not torch.equal(torch.cat(got), torch.cat(default)), formula
+
+
 def test_default_log_softmax_line_is_the_plain_trainer_line(mixed):
     # the `log_softmax` line written out as a trainer writes it, no samebits helper
     cases, outs, model = mixed
