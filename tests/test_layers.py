@@ -15,7 +15,7 @@ ALLOWED = {
     "kernels": set(),
     "progress": set(),
     "plotting": set(),
-    "numerics": {"kernels"},
+    "numerics": {"kernels", "requests"},  # requests: the formula names
     "model": {"kernels", "numerics", "requests", "progress"},
     "trainer": {"kernels", "numerics", "model", "requests"},
     "weights": set(),  # process group, IPC serialization, the receiver (duck-typed over LLM)

@@ -21,22 +21,17 @@ import torch
 import torch.nn.functional as F
 
 from samebits.numerics.registry import pick
+from samebits.requests.sampling_params import LOGPROB_FORMULAS, logprob_formula_problem
 
 Tensor = torch.Tensor
 RowFunction = Callable[[Tensor, Tensor, float], Tensor]  # (logits [n, V], ids [n], T) -> [n]
 
-FORMULAS = ("log_softmax", "trl", "trl_selective", "verl", "logsumexp", "cross_entropy")
+FORMULAS = LOGPROB_FORMULAS  # the names (requests/ holds them, so SamplingParams checks without torch)
+check = logprob_formula_problem
 DEFAULT = "log_softmax"
 # TRL 1.16.0: `trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE`, the vocabulary width of a tile
 TRL_VOCAB_TILE = 32768
 READ_FROM = {"trl": "1.16.0", "verl": "0.9.1"}  # the releases these lines were read from
-
-
-def check(formula: object) -> str | None:
-    """The problem with `formula` as a message, or None: a name in FORMULAS or a callable."""
-    if callable(formula) or formula in FORMULAS:
-        return None
-    return f"logprob_formula must be one of {FORMULAS} or a callable, got {formula!r}"
 
 
 def _scalar_scale(x: Tensor, temps: Tensor) -> Tensor:

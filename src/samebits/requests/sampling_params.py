@@ -28,7 +28,8 @@ class SamplingParams:
     log-prob is read from. `detokenize` produces `text` (needs a tokenizer).
 
     `logprob_formula`: which trainer's line the sampled token's log-prob is reported by (a
-    name in `numerics.logprob_formulas.FORMULAS`, docs/logprobs.md, or a row function); None
+    name in `LOGPROB_FORMULAS`, computed in `numerics.logprob_formulas`, docs/logprobs.md; or a
+    row function); None
     takes the engine's (`LLM(..., logprob_formula=)`, default "log_softmax", the line above).
     """
 
@@ -100,15 +101,22 @@ class SamplingParams:
         if not isinstance(self.detokenize, bool):
             return f"detokenize must be a bool, got {self.detokenize!r}"
         if self.logprob_formula is not None:
-            from samebits.numerics.logprob_formulas import check  # torch: only when one is named
-
-            return check(self.logprob_formula)
+            return logprob_formula_problem(self.logprob_formula)
         return None
 
 
 SEED_LIMIT = 2**63  # seeds are 63-bit; a larger one would silently alias a smaller one
 MAX_N = 128
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
+# the trainers' log-prob lines by name (numerics/logprob_formulas.py computes each; docs/logprobs.md)
+LOGPROB_FORMULAS = ("log_softmax", "trl", "trl_selective", "verl", "logsumexp", "cross_entropy")
+
+
+def logprob_formula_problem(formula: object) -> str | None:
+    """The problem with `formula` as a message, or None: a name in LOGPROB_FORMULAS or a callable."""
+    if callable(formula) or formula in LOGPROB_FORMULAS:
+        return None
+    return f"logprob_formula must be one of {LOGPROB_FORMULAS} or a callable, got {formula!r}"
 
 
 def sample_seed(seed: int, j: int) -> int:
