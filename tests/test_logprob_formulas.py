@@ -29,14 +29,17 @@ def _rows(n: int = 8, vocab: int = 8256, seed: int = 0, scale: float = 4.0) -> t
 
 
 def _line(name: str, logits: torch.Tensor, ids: torch.Tensor, t: float) -> torch.Tensor:
-    return lf.LINES[name](logits, ids, torch.full(ids.shape, t, dtype=torch.float32))
+    """The line on the logits' device, brought to the CPU (where the engine's outputs are)."""
+    temps = torch.full(ids.shape, t, dtype=torch.float32, device=logits.device)
+    return lf.LINES[name](logits, ids, temps).cpu()
 
 
-@pytest.fixture(scope="module")
-def mixed(tiny):
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def mixed(tiny, request):
     """One batch: every formula at every temperature (18 requests), the engine's outputs and the
-    HF trainer model."""
-    llm = LLM(tiny, device="cpu", dtype="bfloat16", max_num_seqs=18, max_model_len=64)
+    HF trainer model, on CPU and on CUDA (the Triton kernels, temperature by the reciprocal)."""
+    device = request.param
+    llm = LLM(tiny, device=device, dtype="bfloat16", max_num_seqs=18, max_model_len=64)
     cases = [(f, t) for f in lf.FORMULAS for t in TEMPS]
     prompts = [[3 + i % 7, 5 + i % 11, 2 + i % 5, 9][: 2 + i % 3] for i in range(len(cases))]
     params = [
@@ -44,13 +47,14 @@ def mixed(tiny):
         for i, (f, t) in enumerate(cases)
     ]
     outs = llm.generate(prompts, params)
-    model = trainer.load_hf_model(tiny, dtype=torch.bfloat16)
+    del llm
+    model = trainer.load_hf_model(tiny, dtype=torch.bfloat16, device=device)
     return cases, outs, model
 
 
 def _hf_logits(model, out) -> tuple[torch.Tensor, torch.Tensor]:
     """The trainer's logits at the positions that predicted the sampled tokens, and those tokens."""
-    ids = torch.tensor(out.prompt_token_ids + out.token_ids)
+    ids = torch.tensor(out.prompt_token_ids + out.token_ids, device=model.device)
     p = len(out.prompt_token_ids)
     with batch_invariant(), torch.no_grad():
         logits = model(input_ids=ids[None], use_cache=False).logits[0]
@@ -94,7 +98,7 @@ def test_default_log_softmax_line_is_the_plain_trainer_line(mixed):
             continue
         logits, ids = _hf_logits(model, out)
         with batch_invariant():
-            want = torch.log_softmax(logits.float() / t, dim=-1).gather(-1, ids[:, None])[:, 0]
+            want = torch.log_softmax(logits.float() / t, dim=-1).gather(-1, ids[:, None])[:, 0].cpu()
         assert torch.equal(out.logprobs, want), t
 
 
