@@ -26,7 +26,7 @@ esac
 . $venv/bin/activate
 python -m pip install -q --upgrade pip > /dev/null
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q ${constraints[@]+"${constraints[@]}"} -e ".[test,plot]"
+python -m pip install -q ${constraints[@]+"${constraints[@]}"} -e ".[test,plot,trl]"
 python -m pip list 2> /dev/null | grep -iE '^(torch|transformers|numpy|safetensors|rich|fastapi|uvicorn|prometheus.client|kernels|huggingface.hub) '
 if [ "$point" = floor ]; then
     python -m pytest -q -p no:cacheprovider -m "not slow" "$@"  # the core: all but the slow tests
