@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fetch, on this machine, the wheels a lent GPU machine lacks into .whl/ (ignored by git), so
 # `scripts/device_run.sh` installs them there: the transformers version CI pins (the device
-# image has 5.17.0) and what the serve tests need (fastapi, uvicorn, openai and their needs).
+# image has 5.17.0), what the serve tests need (fastapi, uvicorn, openai and their needs) and TRL
+# (the `trl` log-prob lines run TRL's own Triton kernels on CUDA; `trl.kernels` needs no more).
 # Versions: scripts/constraints.txt for the pinned ones, the versions CI resolved for the rest.
 # The device image already has torch, triton, numpy, safetensors, huggingface_hub, tokenizers,
 # rich, prometheus-client, click, httpx and pytest (anyio, idna, h11 and typing_extensions
@@ -13,7 +14,7 @@ pin() { grep -i "^$1==" scripts/constraints.txt; }
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl \
-    "$(pin transformers)" "$(pin fastapi)" "$(pin uvicorn)" "$(pin openai)" \
+    "$(pin transformers)" "$(pin trl)" "$(pin fastapi)" "$(pin uvicorn)" "$(pin openai)" \
     starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 typing-inspection==0.4.5 \
     annotated-types==0.8.0 annotated-doc==0.0.7 opentelemetry-api==1.45.3 \
     httpx2==2.17.0 httpcore2==2.17.0 jiter==0.19.0 sniffio==1.3.1 truststore==0.10.5 \
