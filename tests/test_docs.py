@@ -27,7 +27,7 @@ SESSION = re.compile(
     r"\b(?:" + _ORDINAL + r")[ -]session"  # an ordinal, spelled or numbered
     r"|\bsession \d"  # a session by number
     r"|\b(?:this|that|last|previous|next|earlier|later) (?:work |device )?session\b"
-    r"|-s\d+(?=[-.]|$)",  # a session ordinal in a file name: bench-h200-2026-12-04-s13.json
+    r"|-s\d+(?=[-.]|$)",  # a session ordinal in a file name, as in "-s" + "13.json"
     re.IGNORECASE | re.MULTILINE,
 )
 
