@@ -4,8 +4,8 @@
         [--configs "64,128,4,3,walk;32,64,4,4,grid"]
 
 At one decode token the experts read 8 experts' gate, up and down weights (37.7 MB at the
-Qwen3-30B-A3B shape: 128 experts, top-8, H 2048, I 768), 8.8 us at 4.3 TB/s; the eleventh
-session's profile measured gate_up + down at 40 us a layer (docs/perf-notes.md). With the
+Qwen3-30B-A3B shape: 128 experts, top-8, H 2048, I 768), 8.8 us at 4.3 TB/s; the 2026-12-04
+profile measured gate_up + down at 40 us a layer (docs/performance.md). With the
 small tiles (64, 64, 4, 3) and one program per (expert, column tile), gate_up runs 96 programs
 with rows (8 experts x 12 column tiles) among 1,536, each streaming a 512 KB weight slab:
 fewer programs than SMs, each on a short pipeline. Narrower column tiles give more programs

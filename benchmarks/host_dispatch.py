@@ -3,7 +3,7 @@
     python benchmarks/host_dispatch.py
 
 The trainer's micro-batches are small (4 x 128 tokens), so its update is bound by the host
-issuing kernels, not by the kernels (docs/perf-notes.md, "The trainer is host-bound"). This
+issuing kernels, not by the kernels (docs/performance.md, "The trainer is host-bound"). This
 times, per call, the host side of the ops the trainer's layers run most, with inputs so small
 that the device is never the bound (calls are issued back to back, one sync at the end):
 

@@ -2,7 +2,7 @@
 
     PYTHONPATH=/path/to/triton python benchmarks/launcher_host.py     # Triton importable, any machine
 
-The trainer's micro-batches are bound by host time (docs/perf-notes.md), and each CUDA op's
+The trainer's micro-batches are bound by host time (docs/performance.md), and each CUDA op's
 host time is its launcher's Python (checks, allocations, grid and block arithmetic, the
 launch keywords) plus the C launcher and the driver. This times the first part on any
 machine: the launchers run on CPU tensors posing as CUDA ones, every `*_kernel[grid](...)`

@@ -14,7 +14,7 @@ Why other tiles might win at small M: a decode GEMM reads its weight once and is
 the bytes in flight. (64, 32, 4, 6) at M = 1 gives o_proj (K 4096, N 2048) 64 programs,
 each with 6 stages x 4 KB of weight in flight: ~1.5 MB over the whole GPU, against the
 ~4 MB that the H200's bandwidth times its ~1 us latency asks for (measured 12.9 us against a
-3.9 us floor, eleventh session); the router (N 128) gets 4 programs. Narrower BLOCK_N gives
+3.9 us floor, H200, 2026-12-04); the router (N 128) gets 4 programs. Narrower BLOCK_N gives
 more programs, deeper stages more bytes each, BLOCK_M 16 a smaller x tile per stage.
 
 Every configuration is checked for the same bits (BLOCK_K never changes, so each element's K

@@ -2,8 +2,8 @@
 
     python benchmarks/pdl_chain.py [--layers 48] [--json out.json]
 
-A batch-1 decode layer is ~17 launches of a few us each (docs/perf-notes.md, eleventh
-session): the step is the sum of the kernels' fixed costs, not bytes. With PDL a kernel's
+A batch-1 decode layer is ~17 launches of a few us each (docs/performance.md,
+2026-12-04): the step is the sum of the kernels' fixed costs, not bytes. With PDL a kernel's
 programs may be launched while the kernel before it is still finishing; they wait for it at
 `gdc_wait()` before touching its outputs. This times a stand-in for the layer's launch
 chain in a CUDA graph (as the engine replays decode), `--layers` times over distinct weights
@@ -16,7 +16,7 @@ Arms (same kernels, same bits; the table says whether the outputs are equal):
 - `pdl`: launched with `launch_pdl=True`, each kernel letting the next launch at its start;
 - `pdl-late`: the same, letting the next launch only after its main loop (the usual place: the
   next kernel's programs then wait in `gdc_wait()` without holding SMs the current one needs).
-H200, twelfth session, `pdl` only: plain 1.439 ms (7.49 us a launch), pdl 2.753 ms (14.34 us).
+H200, 2026-12-04, `pdl` only: plain 1.439 ms (7.49 us a launch), pdl 2.753 ms (14.34 us).
 Nothing in samebits uses PDL; this measures whether it would pay.
 """
 

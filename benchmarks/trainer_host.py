@@ -2,7 +2,7 @@
 
     PYTHONPATH=/path/to/triton python benchmarks/trainer_host.py     # Triton importable, any machine
 
-The RL update is bound by host time (~6x its GPU time at one micro-batch, docs/perf-notes.md),
+The RL update is bound by host time (~6x its GPU time at one micro-batch, docs/performance.md),
 and that host time is Python and dispatch that run the same on any machine. This runs one
 packed micro-batch forward + backward (the update's call: `token_logprobs(..., with_grad=True)`,
 a mean, `backward()`) of a small Qwen3-MoE model, each arm in a fresh process:

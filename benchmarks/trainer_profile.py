@@ -24,8 +24,8 @@ import torch
 
 ARMS = {
     "samebits": ({}, True),
-    # the ninth session's trainer: transformers' linears and norms under the overrides, and the
-    # experts' backward by autograd through a grouped_mm recompute
+    # the trainer before the closed-form backwards (2026-12-04): transformers' linears and norms
+    # under the overrides, and the experts' backward by autograd through a grouped_mm recompute
     "samebits-before": ({"samebits_forwards": False}, True),
     "stock": (
         {"experts_implementation": "grouped_mm", "attn_implementation": "sdpa", "samebits_forwards": False},

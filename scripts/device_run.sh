@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU work queued for the next device session (issue 45; method, floors and results in
+# The GPU work queued for the next GPU machine (issue 45; method, floors and results in
 # docs/speed-measurements.md), one phase a device call (each fits the 600 s a call may run):
 #
 #   bash scripts/device_run.sh tests-new   # the GPU tests of code changed since the last GPU run

@@ -110,7 +110,7 @@ class EngineConfig:
     def resolved_batched_tokens(self) -> int:
         """The per-step token budget; by default at least 8192 on CUDA (measured on the H200 at
         the Qwen3-30B-A3B shape, 64 x 1024-token prompts: 19.2k prefill tok/s at 2048, 28.7k at
-        4096, 36.4k at 8192, 39.5k at 16384; docs/perf-notes.md), 2048 on the CPU."""
+        4096, 36.4k at 8192, 39.5k at 16384; docs/performance.md), 2048 on the CPU."""
         floor = 8192 if torch.device(self.device).type == "cuda" else 2048
         return self.max_num_batched_tokens or max(self.max_model_len, floor)
 

@@ -30,7 +30,7 @@ _COMPARED = tuple(TRANSPOSED_SHAPE.values())
 # the H200 (with 2 warps Triton likely issues mma.sync rather than wgmma: an empirical fact,
 # which `test_gpu_kernels.py` guards by comparing the transposed decode tiles at each launch
 # against the trainer's 64-row tiles). H200, 1024 keys, CUDA graph, us
-# (docs/perf-notes.md, thirteenth session): transposed one-program decode at 64 sequences
+# (docs/performance.md, 2026-12-04): transposed one-program decode at 64 sequences
 # (4, 2) 50.3, (4, 3) 52.4, (2, 2) 56.3; at 256 sequences (2, 2) 139.9, (4, 2) 160.0, (4, 3)
 # 163.2 against a 125 us floor: two warps let more programs share an SM once there are several
 # a SM to hide each other's loads. Below that the launch stays (4, 3): (4, 2) was faster alone
@@ -39,7 +39,7 @@ _COMPARED = tuple(TRANSPOSED_SHAPE.values())
 LAUNCH = (4, 3)  # 64-row tiles (prefill, the trainer) and split decode in 64-row tiles
 DECODE_LAUNCH = (4, 3)  # transposed, one program per sequence and kv head
 # Split decode in transposed tiles, merged in the last program: H200, 1024 keys, CUDA graph
-# (attention_configs.py --launches, fifteenth session), (4, 2) 10.3 / 10.6 / 14.6 us against
+# (attention_configs.py --launches, 2026-12-04), (4, 2) 10.3 / 10.6 / 14.6 us against
 # (4, 3) 12.7 / 12.9 / 16.9 at 1 / 4 / 16 sequences, the same bits.
 SPLIT_DECODE_LAUNCH = (4, 2)
 DECODE_LAUNCH_MANY = (2, 2)  # the same from MANY_PROGRAMS_PER_SM programs a SM
@@ -48,7 +48,7 @@ MANY_PROGRAMS_PER_SM = 4
 
 # A split call's chunks merged by the last chunk program of each (sequence, kv head) to finish
 # (a ticket counter) rather than by `attention_triton.combine_kernel` in a second launch: the same operations in
-# the same order. H200, 1024 keys, CUDA graph (docs/perf-notes.md, thirteenth session), in
+# the same order. H200, 1024 keys, CUDA graph (docs/performance.md, 2026-12-04), in
 # transposed tiles: 13.0 us against 16.4 at one sequence, 16.1 against 19.9 at 16, 34.5 against
 # 37.5 at 32; batch-1 decode 4.40 ms a token against 4.61, the 48-layer probe 0 mismatches. In
 # 64-row tiles (head layouts other than the compared one) the last program's merge of 64-row
@@ -101,7 +101,7 @@ def plan(
 
     transposed (None): when `transposed_fits`. split (None): when every sequence's queries fit
     one tile and the call has fewer programs (sequences x kv heads) than `sms`. Measured on the
-    H200 in a CUDA graph at 4 kv heads and 1024 keys (docs/perf-notes.md, ninth session): the
+    H200 in a CUDA graph at 4 kv heads and 1024 keys (docs/performance.md, 2026-12-04): the
     split wins up to 32 sequences in either orientation (transposed 37.1 vs 44.3 us, 64 rows
     41.0 vs 47.6) and loses from 64 (56.8 vs 52.1, 70.2 vs 55.8). The launch (warps, stages):
     `LAUNCH`, or for transposed tiles `SPLIT_DECODE_LAUNCH` split and in one program

@@ -12,7 +12,7 @@ chunk order. Either one program walks every block of its tile in one loop, mergi
 chunk after its last block and starting the next from fresh statistics (one loop rather
 than a loop per chunk, so the compiler pipelines the K/V loads across chunk edges: 13%
 faster at decode batch 256 and 8% in prefill on the H200, the same bits;
-docs/perf-notes.md), or (`split`, for calls with one tile per sequence and fewer programs
+docs/performance.md), or (`split`, for calls with one tile per sequence and fewer programs
 than the SMs: small decode batches) one program per chunk stores its statistics and the
 last of a row's chunk programs to finish merges them (a ticket counter; in 64-row tiles, or
 with `merge_last=False`, `combine_kernel` in a second launch) in the same order with the same
@@ -113,7 +113,7 @@ def _attend_block(
     (q is Q^T [BLOCK_D, ROWS]): S^T = K Q^T, acc [BLOCK_D, ROWS] += V^T P^T, so the 64 keys
     fill the MMA's M and a decode tile's few rows sit on N. Each product element is the same
     K-long dot product in either orientation, and the tensor cores' order for it does not
-    depend on where it sits in the tile (docs/perf-notes.md, eighth session: bitwise equal).
+    depend on where it sits in the tile (H200, 2026-12-03: bitwise equal).
     The row sum of p is one more such product, bf16(p) against ones, rather than `tl.sum`,
     whose order follows the register layout, which differs between the orientations (L_MMA
     False: `tl.sum`, the negative control of that claim)."""

@@ -3,7 +3,7 @@
 Gradients carry no bitwise contract, so this runs stock kernels. It replaces recomputing the
 forward with differentiable ops and letting autograd walk that graph: autograd rebuilt the
 expert outputs y (a GEMM it never needs) and ran ~40 host ops with a graph node each, a
-measured ~3 ms of host time a layer (`benchmarks/trainer_profile.py`, docs/perf-notes.md).
+measured ~3 ms of host time a layer (`benchmarks/trainer_profile.py`, docs/performance.md).
 
 Forward, per pair p = (t, k) routed to expert e (experts_grouped_mm's roundings):
     [gate; up]_p = x_t GU_e^T,   a_p = silu(gate_p) * up_p,   y_p = a_p D_e^T,

@@ -7,7 +7,7 @@ Per pair row j in expert order (p = order[j] its pair, w = top_k_weights[p]), ov
 written straight to dw's pair position, so nothing is permuted back afterwards. The torch form
 is ~15 host ops a call (a gather of the weights, silu, five products, silu_backward, the
 concatenation, the casts and sum of dw, its scatter back to pair order); the trainer's update
-is bound by host ops (docs/perf-notes.md).
+is bound by host ops (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ order in which an element's K products are added. BLOCK_K is not in this table: 
 constant for every batch. So an element's bits are a function of its own token, its
 expert's weights and K alone, whichever entry ran. Measured on the H200 (2026-12-03,
 `benchmarks/experts_configs.py`): every choice tried (BLOCK_M 16-128, BLOCK_N 32-128, 4 or
-8 warps, 3 or 4 stages) gave the default's bits at T = 1 .. 4096. (Per docs/perf-notes.md
+8 warps, 3 or 4 stages) gave the default's bits at T = 1 .. 4096. (Per docs/performance.md
 BLOCK_K 32 did too, as the MMAs add K in 16-wide steps in order either way; samebits
 keeps BLOCK_K fixed regardless, the one choice that could reorder K.)
 
@@ -29,7 +29,7 @@ H 2048, I 768), the whole layer's gate_up + down (H200, 2026-12-04, `experts_con
 The last is 0.78-0.79x the old large entry at T >= 4096: 6.2 x 10^11 FLOP in 1,959 us at
 T = 8192, 316 TFLOP/s, a third of the tensor peak. Every entry gave the default's bits.
 
-The decode entry, from `benchmarks/experts_decode.py` (H200, 2026-12-04, twelfth session; the
+The decode entry, from `benchmarks/experts_decode.py` (H200, 2026-12-04; the
 whole `experts_forward` in a CUDA graph over 8 layers of distinct weights, us a layer; every
 configuration gave the table's bits):
 
@@ -99,7 +99,7 @@ def m_in_grid_for(pairs: int) -> bool:
 
 # down's own tiles with the large entry: 256 columns a tile read each row block of the
 # intermediate half as often from L2. H200, T = 8192 at top-8 (65,536 pairs), gate_up + down
-# eager us, same bits (docs/perf-notes.md, nineteenth session): down at (128, 128, 8, 4) 1970.5,
+# eager us, same bits (docs/performance.md, 2026-12-05): down at (128, 128, 8, 4) 1970.5,
 # (128, 256, 8, 4) 1774.6, (128, 256, 8, 3) 1814.5, (256, 128, 8, 3) 1926.0, (64, 256, 8, 4)
 # 1875.0. gate_up keeps (128, 128): its two accumulators at 256 columns would not fit.
 DOWN_LARGE_TILES = (128, 256, 8, 4)
@@ -116,7 +116,7 @@ def down_tiles_for(pairs: int) -> tuple[int, int, int, int]:
 # intermediate and weight tiles, are loaded by tensor descriptors (TMA) rather than pointers:
 # the same dots over the same BLOCK_K steps, so the same bits. (gate_up's rows of x are
 # gathered through the pair order, which TMA on Hopper cannot do in place.) H200, T = 8192,
-# eager us (docs/perf-notes.md, nineteenth session): 1970.5 pointer loads, 1899.3 with gate_up's
+# eager us (docs/performance.md, 2026-12-05): 1970.5 pointer loads, 1899.3 with gate_up's
 # weights by TMA, 1918.7 with both; at down's (128, 256) tiles 1774.6 -> 1768.3 with both.
 TMA_FROM_PAIRS = 8192
 

@@ -5,7 +5,7 @@ every argument, builds a cache key with `str(options)`, checks the kernel's glob
 builds launch metadata for the launch hooks, which the C launcher then calls even when no
 hook is set. On the H200's host that Python was ~4 us of a ~31 us launch
 (`benchmarks/host_dispatch.py`); the trainer's small micro-batches are bound by host time
-per launch (docs/perf-notes.md, eleventh session).
+per launch (docs/performance.md, 2026-12-04).
 
 A `fast_launch` kernel is launched the same way, `kernel[grid](...)`. Its first call with a
 given key goes through Triton (which compiles or finds the kernel, and launches it); the

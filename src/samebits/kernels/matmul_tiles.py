@@ -14,7 +14,7 @@ from __future__ import annotations
 # the H200 (benchmarks/matmul_configs.py, matmul_decode.py), these choices give identical bits
 # for every row; narrow tiles give small-M GEMMs enough programs to fill the SMs. Up to 16 rows
 # the 16 x 16 tiles in 2 warps (mma.sync) keep 8 stages of weight in flight: in a CUDA graph over
-# weight copies past L2, us at M = 1 / 8 (docs/perf-notes.md, fifteenth session): q+k+v 8.7 / 8.3
+# weight copies past L2, us at M = 1 / 8 (docs/performance.md, 2026-12-04): q+k+v 8.7 / 8.3
 # against 10.8 / 11.3, o_proj 11.6 / 10.1 against 12.7 / 14.5, the router 6.3 / 5.5 against
 # 6.7 / 7.9.
 TILES_BY_M = ((16, (16, 16, 2, 8)), (256, (64, 32, 4, 6)), (None, (128, 128, 8, 3)))
@@ -44,7 +44,7 @@ def tiles_for(m: int, n: int) -> tuple[int, int, int, int]:
 # From TMA_FROM_M rows at outputs of TMA_MIN_N to WIDE_N columns the operand tiles are loaded by
 # tensor descriptors (`matmul_triton.matmul_tma`): the same BLOCK_K walk and dot, so the same
 # bits (compared on the H200 for every shape below). H200, bf16, eager us, pointer table ->
-# TMA (128, 128, 8, 3) (docs/perf-notes.md, nineteenth session): q+k+v (K 2048, N 5120) at M =
+# TMA (128, 128, 8, 3) (docs/performance.md, 2026-12-05): q+k+v (K 2048, N 5120) at M =
 # 1024 / 4096 / 8192: 54.0 -> 47.3, 161.0 -> 127.9, 339.6 -> 263.8; o_proj (4096, 2048) at
 # 4096 / 8192: 125.9 -> 99.0, 255.1 -> 210.6. Below TMA_FROM_M a call is short enough that the
 # descriptors' host cost shows (o_proj at M = 1024: 47.5 -> 68.7 in the same timing, as the

@@ -154,8 +154,8 @@ def matmul_tma(
     programs: int = 0,
 ) -> torch.Tensor:
     """`matmul` with TMA-loaded operand tiles (`matmul_tma_kernel`; `tma_fits` must hold);
-    `programs` > 0: a persistent grid of that many programs (measured no faster: the nineteenth
-    session in docs/perf-notes.md). The same bits as `matmul`, which calls it for large
+    `programs` > 0: a persistent grid of that many programs (measured no faster on the H200,
+    2026-12-05, docs/performance.md). The same bits as `matmul`, which calls it for large
     products (`matmul_tiles.tma_tiles_for`)."""
     m, k = a.shape
     c = torch.empty(m, b.shape[1], dtype=a.dtype, device=a.device)

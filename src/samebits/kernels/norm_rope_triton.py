@@ -78,8 +78,8 @@ def rms_norm_kernel(
 
 # The slot norm's warps: 8 for a wide row at decode sizes, 2 from SLOT_NORM_FEW_WARPS_FROM rows
 # (prefill chunks), where more programs a SM hide the loads of the K fp32 slot rows better: H200,
-# 8192 rows of 8 x 2048 slots, us (floor 149 at the copy bandwidth; docs/perf-notes.md,
-# nineteenth session): 8 warps 225.5, 16 194.7, 4 174.7, 2 162.2, every launch the same bits.
+# 8192 rows of 8 x 2048 slots, us (floor 149 at the copy bandwidth; 2026-12-05,
+# docs/performance.md): 8 warps 225.5, 16 194.7, 4 174.7, 2 162.2, every launch the same bits.
 SLOT_NORM_FEW_WARPS_FROM = 4096
 
 

@@ -1,6 +1,6 @@
 """Programmatic dependent launch (PDL) between the decode step's kernels: on where supported.
 
-A batch-1 decode step is ~11 short launches a layer (docs/perf-notes.md, thirteenth session):
+A batch-1 decode step is ~11 short launches a layer (docs/performance.md, 2026-12-04):
 each kernel's launch and ramp-up come after the one before has finished. With PDL (CUDA,
 compute capability 9.0 and later) a kernel launched with `launch_pdl=True` may be scheduled
 while the kernel before it in the stream is still running, once every program of that one has
@@ -18,7 +18,7 @@ memory, reads and writes alike, so nothing it touches can race the kernel before
 where PDL is on, else nothing.
 
 On by default: `samebits bench` on the H200 (48 layers, 1k context, exact, through `generate`,
-docs/perf-notes.md fourteenth session) gave 4.31 ms a token at batch 1 against 4.41 off,
+2026-12-04, docs/performance.md) gave 4.31 ms a token at batch 1 against 4.41 off,
 19.29-19.33 against 19.45-19.54 at 64, 26.78-26.93 against 27.07-27.08 at 256, and the 48-layer
 probe with it on 0 mismatches in every exact arm. Set SAMEBITS_PDL=0 in the environment to turn
 it off for a process.

@@ -2,7 +2,7 @@
 
 `composite.sample_plain` on CUDA inside `batch_invariant()` runs about 43 kernels over
 [N, V] tensors, most of them int64 for the noise (about 530 bytes per (row, token),
-docs/perf-notes.md). This does the same arithmetic reading the bf16 logits three times:
+docs/performance.md). This does the same arithmetic reading the bf16 logits three times:
 
 1. `_max_kernel`: per program, the max logit and its first index (greedy, and the
    log-softmax shift: `max(x * r) == max(x) * r` for r > 0, rounding is monotone).

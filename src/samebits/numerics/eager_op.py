@@ -7,7 +7,7 @@ op's own body). Through the op, every eager call crosses custom_op's wrappers (t
 the autograd and backend adapters, their checks): on CI's 2-core CPU 45 us a call for an op
 whose kernel takes 4, and 127 us with autograd recording (pytorch/pytorch#139500 and #177109
 track it; attention-gym and TensorRT-LLM register around it). The trainer's micro-batches are
-bound by host time (docs/perf-notes.md), and it calls the experts and attention ops every
+bound by host time (docs/performance.md), and it calls the experts and attention ops every
 layer of every micro-batch.
 
 An `EagerOp` is called like the op. Where calling the kernel directly cannot differ from the

@@ -406,7 +406,7 @@ def _router_fast_cuda(router_logits, top_k, norm_topk_prob):
 # (the experts' tree, rounded once), adds the residual and normalizes in one launch. On CUDA that
 # is `norm_rope_triton.slot_add_rms_norm`; its GPU tests (tests/test_gpu_kernels.py -k slot: the
 # kernel against the two launches, the engine with it against without) passed on the H200
-# (docs/perf-notes.md, thirteenth session). False is the way back to the experts' own sum
+# (docs/performance.md, 2026-12-04). False is the way back to the experts' own sum
 # (`experts_slots` answers None).
 SLOTS_ON_CUDA = True
 
@@ -502,7 +502,7 @@ TABLE: dict[str, dict[str, dict[str, Callable]]] = {
     },
     # MoE experts: samebits' batch-invariant kernels (exact); the fast profile: the stock twin on
     # the CPU; on CUDA the Triton kernel too, faster than torch's grouped_mm at every size
-    # measured (1..4096 tokens; docs/perf-notes.md, "Eighth session")
+    # measured (1..4096 tokens; H200, 2026-12-03, docs/performance.md)
     "experts": {
         "cpu": {"exact": experts_ref, "fast": experts_stock_ref},
         "cuda": {"exact": _experts_triton, "fast": _experts_triton},

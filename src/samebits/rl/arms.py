@@ -69,7 +69,7 @@ def run_arms(
 
     `warmup_steps`: first a run of the first arm, that many steps, thrown away. On the H200
     the first arm's process after a 48-layer checkpoint was written ran ~0.5 s a step slower
-    than the same arm later, whichever arm it was (docs/perf-notes.md, eleventh session), so
+    than the same arm later, whichever arm it was (docs/performance.md, 2026-12-04), so
     without it the first arm's ratio carries the machine's settling.
 
     `rounds`: run every arm that many times, the order reversed every other round (A B, B A,

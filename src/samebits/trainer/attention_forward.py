@@ -4,7 +4,7 @@ Inside `batch_invariant()` transformers' `Qwen3MoeAttention.forward` is, per lay
 linears, two RMSNorms, `apply_rotary_pos_emb` (fourteen elementwise ops), the attention
 interface (transposes, the packed attention) and the output linear: ~35 host ops forward and
 six Python autograd nodes plus ~25 C++ ones backward. The trainer's micro-batches are bound by
-that host time (docs/perf-notes.md). `use_samebits_forwards` swaps such a module's class for one
+that host time (docs/performance.md). `use_samebits_forwards` swaps such a module's class for one
 whose forward, where the module would reach samebits' kernels anyway, runs the engine's layer
 instead, as one `_AttentionBlock`:
 

@@ -3,7 +3,7 @@
 Inside `batch_invariant()` a transformers RMSNorm is eight aten ops, its mean routed through the
 overrides' Python wrapper to the tree sum, and a linear is aten's `linear` -> `mm` -> the
 wrapper -> the row-invariant matmul. The trainer is bound by that host work at RL micro-batch
-sizes (docs/perf-notes.md, "The trainer is host-bound"). `use_samebits_forwards(model)`
+sizes (docs/performance.md, "The trainer is host-bound"). `use_samebits_forwards(model)`
 (`trainer/swap.py`, which picks the modules) swaps each such module's class for a subclass
 whose forward calls what the overrides would reach, directly:
 
