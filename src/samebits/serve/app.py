@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from samebits.engine.async_engine import AsyncEngine, EngineDeadError
 from samebits.engine.engine_process import EngineProcess
-from samebits.serve import formats, handlers, vllm_api, weights_api
+from samebits.serve import formats, handlers, sglang_api, vllm_api, weights_api
 from samebits.serve import limits as limits_
 from samebits.serve.auth import AuthMiddleware, Keys, refusal, refused_counter
 from samebits.serve.errors import ApiError, error_response, param_of
@@ -157,6 +157,7 @@ def build_app(
 
     handlers.register(app, svc)
     vllm_api.register(app, engine, model_name, settings)  # what TRL's VLLMClient asks of vLLM
+    sglang_api.register(app, engine, model_name, settings)  # what slime, AReaL read of SGLang
     if hasattr(engine, "call"):  # the engine process: weight sync and memory (SGLang's endpoints)
         weights_api.register(app, engine, allowed_weight_dirs)
     return app

@@ -6,7 +6,8 @@ Two levels, as SGLang has them (`--api-key`, `--admin-api-key`):
   path not listed below): an API key or the admin key;
 - admin (everything that changes or reveals the model or the server's state: weight updates,
   groups, memory release and resume, `/flush_cache`, `/weight_digests`, `/weight_specs`, vLLM's
-  `/server_info`, `/reset_prefix_cache` and weight-transfer endpoints, and
+  `/server_info`, `/reset_prefix_cache` and weight-transfer endpoints, SGLang's
+  `/get_server_info`, and
   `/abort_request` with `abort_all`, which `app.py` checks on the body): the admin key, or the
   API key when no admin key is set.
 
@@ -43,6 +44,7 @@ ADMIN = frozenset(
         "/weight_specs",
         # vLLM's (TRL's VLLMClient): the server's config, its prefix cache, its weight transfer
         "/server_info",
+        "/get_server_info",
         "/reset_prefix_cache",
         "/init_weight_transfer_engine",
         "/start_weight_update",

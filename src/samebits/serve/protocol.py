@@ -181,6 +181,18 @@ class SGLangSamplingParams(BaseModel):
     ignore_eos: bool = False
     n: StrictInt = 1
     sampling_seed: StrictInt | None = None
+    # SGLang's, kept at their no-op values (AReaL sends frequency_penalty)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+
+    def check_unsupported(self) -> None:
+        offs = (("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1), ("min_p", 0))
+        for name, off in offs:
+            if getattr(self, name) != off:
+                why = f"only {off} (off) is supported, got {getattr(self, name)}; send {off} or leave it unset"
+                raise UnsupportedField(name, why)
 
 
 class GenerateRequest(BaseModel):
@@ -195,6 +207,8 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: StrictInt = 0
     stream: bool = False
     rid: str | None = None
+    image_data: object = None
+    return_routed_experts: bool = False
 
     def prompt(self) -> str | list[int]:
         if (self.text is None) == (self.input_ids is None):
@@ -203,6 +217,11 @@ class GenerateRequest(BaseModel):
 
     def to_params(self) -> SamplingParams:
         sp = self.sampling_params
+        sp.check_unsupported()
+        if self.image_data:
+            raise UnsupportedField("image_data", "is not supported (text and token ids only)")
+        if self.return_routed_experts:
+            raise UnsupportedField("return_routed_experts", "is not supported (no routing replay)")
         return SamplingParams(
             temperature=sp.temperature,
             top_p=sp.top_p,
