@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
         help="serve a checkpoint over HTTP: OpenAI /v1/completions and /v1/chat/completions, SGLang /generate",
         description="Runs the engine in a process of its own behind FastAPI + uvicorn. Endpoints: /health, "
         "/v1/models, /v1/completions, /v1/chat/completions, /generate, /abort_request, /metrics; vLLM's "
-        "/get_world_size, /server_info, /reset_prefix_cache (for TRL's VLLMClient); "
+        "/get_world_size, /server_info, /reset_prefix_cache (for TRL's VLLMClient); SGLang's /get_model_info, "
+        "/get_server_info, /health_generate; "
         "and SGLang's weight sync for a trainer in another process: /init_weights_update_group, "
         "/update_weights_from_distributed, /update_weights_from_tensor, /update_weights_from_disk, "
         "/release_memory_occupation, /resume_memory_occupation, /flush_cache, /get_weight_version, "
