@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from samebits.engine.async_engine import AsyncEngine, EngineDeadError
 from samebits.engine.engine_process import EngineProcess
-from samebits.serve import formats, handlers, weights_api
+from samebits.serve import formats, handlers, sglang_api, vllm_api, weights_api
 from samebits.serve import limits as limits_
 from samebits.serve.auth import AuthMiddleware, Keys, refusal, refused_counter
 from samebits.serve.errors import ApiError, error_response, param_of
@@ -103,10 +103,12 @@ def build_app(
     keys: Keys | None = None,
     limits: Limits | None = None,
     allowed_weight_dirs: list | None = None,
+    settings: dict | None = None,
 ) -> FastAPI:
     """The HTTP face of `engine`, serving `model_name`. `keys`: none by default (open);
     `limits`: `Limits()`'s defaults; `allowed_weight_dirs`: where /update_weights_from_disk
-    may read (None: anywhere, for library use; `samebits serve` passes the model's dir)."""
+    may read (None: anywhere, for library use; `samebits serve` passes the model's dir);
+    `settings`: what the engine was built with (`LLM`'s keyword arguments), for /server_info."""
     keys, limits = keys or Keys(), limits or Limits()
     app = FastAPI(title="samebits")
     registry = make_registry(engine)
@@ -154,6 +156,8 @@ def build_app(
         return {}
 
     handlers.register(app, svc)
+    vllm_api.register(app, engine, model_name, settings)  # what TRL's VLLMClient asks of vLLM
+    sglang_api.register(app, engine, model_name, settings)  # what slime, AReaL read of SGLang
     if hasattr(engine, "call"):  # the engine process: weight sync and memory (SGLang's endpoints)
         weights_api.register(app, engine, allowed_weight_dirs)
     return app

@@ -20,7 +20,9 @@ def add_parser(sub) -> None:
         "serve",
         help="serve a checkpoint over HTTP: OpenAI /v1/completions and /v1/chat/completions, SGLang /generate",
         description="Runs the engine in a process of its own behind FastAPI + uvicorn. Endpoints: /health, "
-        "/v1/models, /v1/completions, /v1/chat/completions, /generate, /abort_request, /metrics; "
+        "/v1/models, /v1/completions, /v1/chat/completions, /generate, /abort_request, /metrics; vLLM's "
+        "/get_world_size, /server_info, /reset_prefix_cache (for TRL's VLLMClient); SGLang's /get_model_info, "
+        "/get_server_info, /health_generate; "
         "and SGLang's weight sync for a trainer in another process: /init_weights_update_group, "
         "/update_weights_from_distributed, /update_weights_from_tensor, /update_weights_from_disk, "
         "/release_memory_occupation, /resume_memory_occupation, /flush_cache, /get_weight_version, "
@@ -197,7 +199,7 @@ def run(args) -> int:
         return 2
     try:
         engine = EngineProcess(
-            dict(
+            settings := dict(  # also what /server_info reports
                 model=model,
                 device=args.device,
                 dtype=args.dtype,
@@ -226,7 +228,7 @@ def run(args) -> int:
         return 2
     sock.listen(2048)
     port = sock.getsockname()[1]
-    app = build_app(engine, name, keys, limits, weight_dirs)
+    app = build_app(engine, name, keys, limits, weight_dirs, settings)
 
     @asynccontextmanager
     async def lifespan(_):

@@ -80,16 +80,14 @@ class StreamState:
 
 
 def completion_logprobs(out: CompletionOutput, part: slice, tok: TokenText, k: int) -> dict:
+    """vLLM's shape: each position's `top_logprobs` holds the sampled token first, then the k
+    most likely (k+1 entries, or k when the sampled token is one of them; `logprobs: 0` gives
+    the sampled token alone). Its value is the same row's, so the two entries agree."""
     ids = out.token_ids[part]
-    top = None
-    if k:
-        top = [{tok(t): finite(v) for t, v in row} for row in out.top_logprobs[part]]
-    return {
-        "tokens": [tok(t) for t in ids],
-        "token_logprobs": [finite(v) for v in out.logprobs[part].tolist()],
-        "top_logprobs": top,
-        "text_offset": None,
-    }
+    lps = [finite(v) for v in out.logprobs[part].tolist()]
+    rows = out.top_logprobs[part] if k else [() for _ in ids]
+    top = [_top_with_sampled(tok, t, v, row) for t, v, row in zip(ids, lps, rows, strict=True)]
+    return {"tokens": [tok(t) for t in ids], "token_logprobs": lps, "top_logprobs": top, "text_offset": None}
 
 
 def completion_choice(
@@ -103,6 +101,13 @@ def completion_choice(
         "finish_reason": out.finish_reason if finished else None,
     }
     return _with_ids(choice, request, out, part, ctx)
+
+
+def _top_with_sampled(tok: TokenText, t: int, v: float, row) -> dict:
+    top = {tok(t): v}
+    for a, b in row:  # a text two tokens share keeps the sampled token's value
+        top.setdefault(tok(a), finite(b))
+    return top
 
 
 # -- OpenAI chat ----------------------------------------------------------------------------

@@ -102,7 +102,10 @@ async def chat(svc, body: ChatCompletionRequest, request: Request):
     def whole(outs):
         o, every = outs[0], slice(0, None)
         choices = [formats.chat_choice(o, c, every, c.text, True, ctx, delta=False) for c in o.outputs]
-        return head | {"object": "chat.completion", "choices": choices, "usage": formats.usage(outs)}
+        body = head | {"object": "chat.completion", "choices": choices, "usage": formats.usage(outs)}
+        if ctx.return_token_ids:  # vLLM's place for them in chat (each choice has them too)
+            body["prompt_token_ids"] = o.prompt_token_ids
+        return body
 
     def chunks(stream):
         def piece(_, o, c, part, text, finished):

@@ -2,7 +2,10 @@
 
 Field names are the OpenAI / vLLM / SGLang ones. Unknown fields are ignored (clients send
 defaults for things we do not have); known fields we do not support are refused with 400
-when set to anything but their no-op value. `to_params` maps a body to `SamplingParams`.
+when set to anything but their no-op value (vLLM's `min_p` 0, `repetition_penalty` 1.0: a
+penalty would change what is sampled and the trainer does not recompute it). `top_k` 0 or -1
+is off, as in vLLM. `to_params` maps a body to `SamplingParams`; `logprob_formula` (samebits')
+picks the trainer line of the reported log-prob, one of `LOGPROB_FORMULAS`.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from samebits.requests.sampling_params import SamplingParams
+from samebits.requests.sampling_params import LOGPROB_FORMULAS, SamplingParams
 
 TokenIds = list[StrictInt]
 
@@ -36,23 +39,46 @@ class _Body(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     # vLLM extras
-    top_k: StrictInt = -1
+    top_k: StrictInt | None = -1  # vLLM: 0, -1 and null all mean off
+    min_p: float | None = 0.0
+    repetition_penalty: float | None = 1.0
     min_tokens: StrictInt = 0
     ignore_eos: bool = False
     stop_token_ids: TokenIds | None = None
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False  # log-prob tokens as "token_id:<id>" (unique keys)
+    prompt_logprobs: StrictInt | None = None
+    structured_outputs: dict | None = None
+    # samebits: which trainer's line reports the sampled token's log-prob (docs/logprobs.md)
+    logprob_formula: str | None = None
     # OpenAI fields that must stay at their no-op value
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
 
     def check_unsupported(self) -> None:
+        if self.top_k is not None and self.top_k < -1:
+            raise ValueError(f"top_k must be 0 or -1 (off) or an int >= 1, got {self.top_k}")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise UnsupportedField(name, "penalties are not supported (they would change the log-probs)")
         if self.logit_bias:
             raise UnsupportedField("logit_bias", "is not supported")
+        if self.min_p not in (None, 0.0):
+            why = f"only 0 (off) is supported, got {self.min_p}; send 0 or leave it unset"
+            raise UnsupportedField("min_p", why)
+        if self.repetition_penalty not in (None, 1.0):
+            why = f"only 1.0 (off) is supported, got {self.repetition_penalty}; send 1.0 or leave it unset"
+            raise UnsupportedField("repetition_penalty", why)
+        if self.prompt_logprobs is not None:
+            raise UnsupportedField("prompt_logprobs", "is not supported (score a sequence with the trainer)")
+        if self.structured_outputs:
+            raise UnsupportedField("structured_outputs", "is not supported (guided decoding)")
+        if self.logprob_formula is not None and self.logprob_formula not in LOGPROB_FORMULAS:
+            allowed = ", ".join(LOGPROB_FORMULAS)
+            raise UnsupportedField(
+                "logprob_formula", f"{self.logprob_formula!r} is not a formula; use one of: {allowed}"
+            )
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
@@ -63,7 +89,7 @@ class _Body(BaseModel):
         return SamplingParams(
             temperature=self.temperature,
             top_p=self.top_p,
-            top_k=self.top_k,
+            top_k=-1 if self.top_k in (None, 0) else self.top_k,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
@@ -72,6 +98,7 @@ class _Body(BaseModel):
             n=self.n,
             stop=self.stop or None,
             logprobs=logprobs,
+            logprob_formula=self.logprob_formula,
         )
 
 
@@ -154,6 +181,18 @@ class SGLangSamplingParams(BaseModel):
     ignore_eos: bool = False
     n: StrictInt = 1
     sampling_seed: StrictInt | None = None
+    # SGLang's, kept at their no-op values (AReaL sends frequency_penalty)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+
+    def check_unsupported(self) -> None:
+        offs = (("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1), ("min_p", 0))
+        for name, off in offs:
+            if getattr(self, name) != off:
+                why = f"only {off} (off) is supported, got {getattr(self, name)}; send {off} or leave it unset"
+                raise UnsupportedField(name, why)
 
 
 class GenerateRequest(BaseModel):
@@ -168,6 +207,8 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: StrictInt = 0
     stream: bool = False
     rid: str | None = None
+    image_data: object = None
+    return_routed_experts: bool = False
 
     def prompt(self) -> str | list[int]:
         if (self.text is None) == (self.input_ids is None):
@@ -176,6 +217,11 @@ class GenerateRequest(BaseModel):
 
     def to_params(self) -> SamplingParams:
         sp = self.sampling_params
+        sp.check_unsupported()
+        if self.image_data:
+            raise UnsupportedField("image_data", "is not supported (text and token ids only)")
+        if self.return_routed_experts:
+            raise UnsupportedField("return_routed_experts", "is not supported (no routing replay)")
         return SamplingParams(
             temperature=sp.temperature,
             top_p=sp.top_p,

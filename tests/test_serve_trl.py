@@ -1,0 +1,196 @@
+"""TRL's own `VLLMClient` (trl.generation.vllm_client, TRL 1.16.0) driving `samebits serve` over
+loopback, with the calls and keyword arguments GRPOTrainer(use_vllm=True, vllm_mode="server")
+makes. The server is a subprocess on 127.0.0.1, stopped by its PID.
+
+vLLM is not installed here (it cannot be, on the CPU CI), and VLLMClient refuses to construct
+without it: the `client` fixture patches ONLY TRL's vllm-installed check
+(`trl.generation.vllm_client.is_vllm_available`, while the constructor runs). Every request
+below is TRL's own code.
+
+Claims: the log-probs VLLMClient.generate and .chat return (JSON numbers read back as float32)
+equal the HF trainer's recompute under `batch_invariant()` bit for bit, for token-id prompts
+with n=2, temperature, top_p=1, top_k=0 (off), min_p=0, repetition_penalty=1, logprobs=0;
+`logprob_formula` in generation_kwargs reports TRL's own line, on the same tokens;
+get_world_size, get_server_info and reset_prefix_cache answer as vLLM's dev endpoints do;
+what is not supported is refused with a message naming the field. Controls: the recompute at
+another temperature, or with the stock grouped_mm experts, differs; the default line differs
+from TRL's on the same tokens.
+
+Not run: weight sync through VLLMClient (init_communicator, update_named_params) needs vLLM's
+NCCL (PyNccl) on CUDA; samebits answers its endpoints 501 naming the protocol it has, checked
+below.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import pytest
+import torch
+from serve_server import Server
+
+from samebits import batch_invariant, trainer
+from samebits.model.tiny_tokenizer import add_tiny_tokenizer
+from samebits.numerics import logprob_formulas as lf
+from samebits.requests.sampling_params import LOGPROB_FORMULAS
+
+vllm_client = pytest.importorskip("trl.generation.vllm_client")
+pytest.importorskip("requests", reason="VLLMClient sends with requests (TRL's vllm extra installs it)")
+
+T = 0.7  # a temperature the values depend on (GRPOConfig's default is 1.0)
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+
+
+def grpo_kwargs(**generation_kwargs) -> dict:
+    """What GRPOTrainer's vLLM generation passes to VLLMClient.generate (trl/generation/
+    vllm_generation.py), with a seed so the server's samples replay."""
+    return dict(
+        n=2,
+        repetition_penalty=1.0,
+        temperature=T,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        max_tokens=10,
+        logprobs=0,
+        structured_outputs_regex=None,
+        generation_kwargs={"seed": 1234, "ignore_eos": True} | generation_kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny, tmp_path_factory):
+    path = tmp_path_factory.mktemp("serve-trl") / "tiny-tok"
+    shutil.copytree(tiny, path)
+    return add_tiny_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    srv = Server(ckpt, "--max-num-seqs", "8", "--max-model-len", "256")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vllm_client, "is_vllm_available", lambda *a, **k: True)  # the one patch
+        return vllm_client.VLLMClient(base_url=server.url, connection_timeout=60)
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    return trainer.load_hf_model(ckpt, device="cpu", dtype=torch.bfloat16)
+
+
+def _sampled(out: dict) -> list[torch.Tensor]:
+    """The sampled token's log-prob of each sequence, from VLLMClient's [seq][pos][rank] lists."""
+    for ids, ranked in zip(out["completion_ids"], out["logprob_token_ids"], strict=True):
+        assert ranked == [[t] for t in ids]  # logprobs=0: the sampled token alone
+    return [torch.tensor([row[0] for row in seq], dtype=torch.float32) for seq in out["logprobs"]]
+
+
+def _recompute(model, prompt_ids, completion_ids, temperature: float) -> list[torch.Tensor]:
+    seqs = [p + c for p, c in zip(prompt_ids, completion_ids, strict=True)]
+    with batch_invariant():
+        lens = [len(p) for p in prompt_ids]
+        lps = trainer.token_logprobs(model, seqs, lens, packed=True, temperature=temperature)
+    return [lp.cpu() for lp in lps]
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_grpo_generate_logprobs_equal_the_trainer_recompute_bitwise(client, ckpt, hf):
+    out = client.generate(prompts=PROMPTS, **grpo_kwargs())
+    assert out["prompt_ids"] == PROMPTS
+    prompts = [p for p in PROMPTS for _ in range(2)]  # prompt-major, as GRPOTrainer expands them
+    assert [len(c) for c in out["completion_ids"]] == [10] * 6
+    assert all(out["completion_ids"][i] != out["completion_ids"][i + 1] for i in range(0, 6, 2))
+    got = _sampled(out)
+    assert _equal(got, _recompute(hf, prompts, out["completion_ids"], T))
+    assert client.generate(prompts=PROMPTS, **grpo_kwargs()) == out  # the seed replays
+    # controls: the values depend on the temperature sent, and on the experts' kernel
+    assert not _equal(got, _recompute(hf, prompts, out["completion_ids"], 1.0))
+    stock = trainer.load_hf_model(ckpt, device="cpu", dtype=torch.bfloat16, experts_implementation="grouped_mm")
+    assert not _equal(got, _recompute(stock, prompts, out["completion_ids"], T))
+
+
+def test_grpo_chat_logprobs_equal_the_trainer_recompute_bitwise(client, hf):
+    messages = [[{"role": "user", "content": "hello there"}], [{"role": "user", "content": "count to 3"}]]
+    out = client.chat(messages, **grpo_kwargs())
+    prompts = [p for p in out["prompt_ids"] for _ in range(2)]
+    assert len(out["prompt_ids"]) == 2 and all(out["prompt_ids"])
+    got = _sampled(out)
+    assert _equal(got, _recompute(hf, prompts, out["completion_ids"], T))
+    assert not _equal(got, _recompute(hf, prompts, out["completion_ids"], 1.0))  # control
+
+
+def test_logprob_formula_trl_reports_trls_line_on_the_same_tokens(client, hf):
+    default = client.generate(prompts=PROMPTS, **grpo_kwargs())
+    out = client.generate(prompts=PROMPTS, **grpo_kwargs(logprob_formula="trl"))
+    assert out["completion_ids"] == default["completion_ids"]  # the formula changes no sample
+    prompts = [p for p in PROMPTS for _ in range(2)]
+    trl_line, default_line = [], []
+    for p, c in zip(prompts, out["completion_ids"], strict=True):
+        ids = torch.tensor(p + c)
+        with batch_invariant(), torch.no_grad():
+            logits = hf(input_ids=ids[None], use_cache=False).logits[0][len(p) - 1 : -1]
+            temps = torch.full((len(c),), T, dtype=torch.float32)
+            trl_line.append(lf.LINES["trl"](logits, ids[len(p) :], temps))
+            default_line.append(lf.LINES["log_softmax"](logits, ids[len(p) :], temps))
+    assert _equal(_sampled(out), trl_line)
+    assert _equal(_sampled(default), default_line)
+    assert not _equal(_sampled(out), default_line)  # control: the field reached the engine
+
+
+def test_dev_endpoints_answer_as_vllms(client, server):
+    assert client.get_world_size() == 1
+    info = client.get_server_info()  # vllm_config, as init_communicator and GRPOTrainer read it
+    assert info["weight_transfer_config"] is not None
+    assert info["weight_transfer_config"]["backend"] == "sglang"
+    assert info["model_config"]["logprobs_mode"] == "processed_logprobs"
+    assert info["model_config"]["max_model_len"] == 256  # --max-model-len, as started
+    assert info["model_config"]["served_model_name"] == server.model
+    assert info["scheduler_config"]["max_num_seqs"] == 8
+    assert client.reset_prefix_cache() is None
+    r = httpx.post(f"{server.url}/reset_prefix_cache", timeout=60)
+    assert r.status_code == 200 and r.json()["success"] is True
+    assert isinstance(httpx.get(f"{server.url}/server_info", timeout=60).json()["vllm_config"], str)
+
+
+def test_vllm_weight_transfer_is_refused_naming_the_protocol_that_works(client, server):
+    # update_named_param's first call is /start_weight_update; its NCCL broadcast never starts
+    with pytest.raises(Exception, match="501") as e:
+        client.update_named_param("model.embed_tokens.weight", torch.zeros(2, 2))
+    assert "/init_weights_update_group" in str(e.value) and "not implemented" in str(e.value)
+    init_info = {"master_address": "127.0.0.1", "master_port": 51216, "rank_offset": 1, "world_size": 2}
+    for path, body in [
+        ("/init_weight_transfer_engine", {"init_info": init_info | {"packed": True}}),
+        ("/update_weights", {"update_info": {"names": ["x"], "dtype_names": ["bfloat16"], "shapes": [[2]]}}),
+        ("/finish_weight_update", {}),
+    ]:
+        r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+        assert r.status_code == 501 and path in r.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"min_p": 0.1}, "min_p"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"top_k": -2}, "top_k"),
+        ({"structured_outputs_regex": "a+"}, "structured_outputs"),
+        ({"generation_kwargs": {"logprob_formula": "nope"}}, "logprob_formula"),
+    ],
+)
+def test_what_is_not_supported_is_a_400_naming_the_field(client, kwargs, field):
+    with pytest.raises(Exception, match="Request failed: 400") as e:
+        client.generate(prompts=PROMPTS[:1], **(grpo_kwargs() | kwargs))
+    assert f'"param":"{field}"' in str(e.value).replace(" ", "")
+    if field == "logprob_formula":
+        assert all(name in str(e.value) for name in LOGPROB_FORMULAS)
