@@ -3,14 +3,18 @@
 A real `trl.GRPOTrainer` loop on the tiny model: 4 optimizer steps, a generation batch every 2
 (`steps_per_generation=2`), so TRL itself computes `old_per_token_logps` (its recompute of every
 sampled token, through its fused LM head) and the rollout's weights are pushed at global steps 0
-and 2. The engine is an in-process `samebits.LLM` (weights pushed with `LLM.update_weights`).
+and 2. The engine is a `samebits serve` on 127.0.0.1 (samebits' own protocol: `/generate`, the
+gloo weight-update group, `/weight_digests`; stopped by its PID), or an in-process `samebits.LLM`
+(weights pushed with `LLM.update_weights`).
 Prompts of different token lengths make TRL pad, so the packed path of `exact_logprobs` runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import socket
 
 import pytest
 import torch
@@ -22,6 +26,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import samebits  # noqa: E402
 from samebits import trainer as sb  # noqa: E402
+from samebits.client import Client, spawn_server, stop_server  # noqa: E402
 from samebits.engine.digest import tensor_digest  # noqa: E402
 from samebits.integrations import trl as sbtrl  # noqa: E402
 from samebits.model.tiny_tokenizer import add_tiny_tokenizer  # noqa: E402
@@ -48,18 +53,39 @@ class RecordingGRPOTrainer(GRPOTrainer):
         return out
 
 
-def _run(ckpt, tmp_path, **rollout_kwargs):
+@contextlib.contextmanager
+def _engine(ckpt, where: str):
+    """-> (what rollout_func takes, digests(names) of the engine's tensors)."""
+    if where == "llm":
+        llm = samebits.LLM(ckpt, max_num_seqs=8, max_model_len=64)
+        yield llm, llm.weight_digests
+        return
+    proc, url = spawn_server(ckpt, "--max-num-seqs", "8", "--max-model-len", "64", ready_timeout=300)
+    try:
+        yield url, Client(url).weight_digests
+    finally:
+        stop_server(proc)
+
+
+def _run(ckpt, tmp_path, where, **rollout_kwargs):
     """4 steps of GRPOTrainer with samebits' rollout -> (trainer, rollout, digest checks per batch)."""
+    with _engine(ckpt, where) as (target, engine_digests):
+        rollout = sbtrl.rollout_func(target, seed=1, **rollout_kwargs)
+        try:
+            return _train(ckpt, tmp_path, rollout, engine_digests)
+        finally:
+            rollout.close()
+
+
+def _train(ckpt, tmp_path, rollout, engine_digests):
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     model = sb.load_hf_model(ckpt)
-    llm = samebits.LLM(ckpt, max_num_seqs=8, max_model_len=64)
-    rollout = sbtrl.rollout_func(llm, seed=1, **rollout_kwargs)
     digests = []  # per generation batch: (engine's == trainer's, the trainer's digests)
 
     def reward(completion_ids, **kwargs):
         # TRL calls rewards after the rollout and before the update: the weights it sampled with
         mine = {n: tensor_digest(p.detach()) for n, p in trainer.model.named_parameters()}
-        digests.append((llm.weight_digests(list(mine)) == mine, mine))
+        digests.append((engine_digests(list(mine)) == mine, mine))
         return [float(sum(t % 2 for t in ids)) for ids in completion_ids]
 
     args = GRPOConfig(
@@ -99,8 +125,9 @@ def _differ(a, b):
     return int((a.view(torch.int32) != b.view(torch.int32)).sum())
 
 
-def test_trls_recompute_equals_the_rollout_bit_for_bit_with_a_weight_sync(ckpt, tmp_path):
-    trainer, rollout, digests = _run(ckpt, tmp_path)
+@pytest.mark.parametrize("where", ["server", "llm"])
+def test_trls_recompute_equals_the_rollout_bit_for_bit_with_a_weight_sync(ckpt, tmp_path, where):
+    trainer, rollout, digests = _run(ckpt, tmp_path, where)
     assert trainer.state.global_step == 4
     assert [s for s, _ in rollout.syncs] == [0, 2]  # pushed when global_step moved, not in between
     assert len(trainer.batches) == 2
@@ -119,10 +146,11 @@ def test_trls_recompute_equals_the_rollout_bit_for_bit_with_a_weight_sync(ckpt, 
     assert digests[0][1] != digests[1][1]
 
 
-def test_control_the_default_formula_mismatches_trls_recompute(ckpt, tmp_path):
+@pytest.mark.parametrize("where", ["server", "llm"])
+def test_control_the_default_formula_mismatches_trls_recompute(ckpt, tmp_path, where):
     """The same loop with the engine's default line (`log_softmax`) instead of TRL's: the
     weights still match, the log-probs do not (the formula is the claim's reason)."""
-    trainer, _, digests = _run(ckpt, tmp_path, logprob_formula="log_softmax")
+    trainer, _, digests = _run(ckpt, tmp_path, where, logprob_formula="log_softmax")
     assert [same for same, _ in digests] == [True, True]
     total = 0
     for b in trainer.batches:
@@ -158,9 +186,25 @@ def test_unsupported_setups_are_refused_with_what_to_do(ckpt, tmp_path):
         sbtrl.exact_logprobs(_trainer(ckpt, tmp_path, repetition_penalty=1.1))
     with pytest.raises(ValueError, match="use_reentrant"):
         sbtrl.exact_logprobs(_trainer(ckpt, tmp_path, activation_checkpointing_kwargs={"use_reentrant": True}))
-    with pytest.raises(TypeError, match="samebits.LLM"):
-        sbtrl.rollout_func("http://127.0.0.1:8000")
+    with pytest.raises(TypeError, match="samebits serve URL"):
+        sbtrl.rollout_func("127.0.0.1:8000")
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        with pytest.raises(ValueError, match="cannot use the samebits server"):
+            sbtrl.rollout_func(f"http://127.0.0.1:{s.getsockname()[1]}")
     # a rollout on a trainer whose recompute is not under batch_invariant() stops at its first call
     rollout = sbtrl.rollout_func(samebits.LLM(ckpt, max_num_seqs=4, max_model_len=32))
     with pytest.raises(ValueError, match="exact_logprobs"):
         _trainer(ckpt, tmp_path, rollout=rollout).train()
+
+
+def test_the_generate_body_carries_the_formula_and_refuses_an_unknown_one():
+    """What the server rollout relies on (and probes at construction): /generate's
+    sampling_params.logprob_formula reaches SamplingParams, and an unknown name is refused."""
+    from samebits.serve.protocol import GenerateRequest
+
+    body = {"input_ids": [5, 6], "sampling_params": {"logprob_formula": "trl"}}
+    assert GenerateRequest(**body).to_params().logprob_formula == "trl"
+    assert GenerateRequest(input_ids=[5]).to_params().logprob_formula is None  # the engine's default
+    with pytest.raises(ValueError, match="logprob_formula"):
+        GenerateRequest(input_ids=[5], sampling_params={"logprob_formula": "nope"}).to_params()

@@ -5,7 +5,7 @@
     from samebits.integrations import trl as sbtrl
 
     model = sb.load_hf_model(path)                          # samebits experts + attention
-    rollout = sbtrl.rollout_func(samebits.LLM(path))        # the engine, in this process
+    rollout = sbtrl.rollout_func(samebits.LLM(path))        # in this process, or a server's URL
     trainer = GRPOTrainer(model=model, args=args, ..., rollout_func=rollout)
     sbtrl.exact_logprobs(trainer)                           # TRL's recompute under batch_invariant()
     trainer.train()
@@ -32,8 +32,8 @@ from collections.abc import Sequence
 
 import torch
 
-from samebits.engine.digest import tensor_digest
 from samebits.engine.llm import LLM
+from samebits.integrations.backends import LocalEngine, ServerEngine, engine_for
 from samebits.numerics.batch_invariant import batch_invariant
 from samebits.requests import SamplingParams
 from samebits.trainer import checkpoint_context
@@ -53,26 +53,24 @@ METRICS = (
 
 class SamebitsRollout:
     """A `rollout_func` for `GRPOTrainer`: `rollout(prompts, trainer) -> dict` (see the module
-    docstring). `syncs` lists each push: (global_step, number of tensors)."""
+    docstring). `engine`: `backends.LocalEngine` or `backends.ServerEngine`. `syncs` lists each
+    push: (global_step, number of tensors)."""
 
     def __init__(
         self,
-        llm: LLM,
+        engine: LocalEngine | ServerEngine,
         *,
         seed: int | None = None,
         ignore_eos: bool = False,
         check_digests: bool = True,
         logprob_formula: str = FORMULA,
     ):
-        if not isinstance(llm, LLM):
-            raise TypeError(
-                f"rollout_func takes a samebits.LLM, got {type(llm).__name__}: build one with "
-                "samebits.LLM(path) on the checkpoint the trainer's model was loaded from"
-            )
         if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**62):
             raise ValueError(f"seed must be None or an int in [0, 2**62), got {seed!r}")
-        SamplingParams(logprob_formula=logprob_formula)  # an unknown formula is refused here
-        self.llm, self.seed, self.ignore_eos = llm, seed, ignore_eos
+        if not isinstance(logprob_formula, str):
+            raise ValueError(f"logprob_formula must be a formula name, got {logprob_formula!r}")
+        SamplingParams(logprob_formula=logprob_formula)  # an unknown name is refused here
+        self.engine, self.seed, self.ignore_eos = engine, seed, ignore_eos
         self.check_digests, self.logprob_formula = check_digests, logprob_formula
         self.synced_step: int | None = None
         self.syncs: list[tuple[int, int]] = []
@@ -88,12 +86,13 @@ class SamebitsRollout:
         prompt_ids, images, _ = trainer._tokenize_prompts(prompts)  # TRL's own templating
         if images is not None:
             raise NotImplementedError("samebits' TRL rollout takes text prompts only, got images")
+        prompt_ids = [list(p) for p in prompt_ids]
         params = [self._params(trainer, step, i) for i in range(len(prompt_ids))]
-        outs = self.llm.generate([list(p) for p in prompt_ids], params, progress=False)
+        outs = self.engine.generate(prompt_ids, params)
         return {
-            "prompt_ids": [o.prompt_token_ids for o in outs],
-            "completion_ids": [o.token_ids for o in outs],
-            "logprobs": [o.logprobs.tolist() for o in outs],  # float32 -> float -> the same float32
+            "prompt_ids": prompt_ids,
+            "completion_ids": [ids for ids, _ in outs],
+            "logprobs": [lps for _, lps in outs],
         }
 
     def _params(self, trainer, step: int, i: int) -> SamplingParams:
@@ -112,31 +111,45 @@ class SamebitsRollout:
         )
 
     def sync(self, trainer) -> None:
-        """Push every trainer parameter (cast to the engine's dtype) into the engine; with
-        `check_digests`, RuntimeError unless the engine's digests then equal the trainer's."""
-        dtype = self.llm.engine.torch_dtype
+        """Push every trainer parameter into the engine; with `check_digests`, RuntimeError
+        unless the engine's digests then equal the trainer's (cast to the engine's dtype)."""
         model = trainer.accelerator.unwrap_model(trainer.model)
-        pairs = [(n, p.detach().to(dtype)) for n, p in model.named_parameters()]
-        self.llm.update_weights(pairs)
-        if self.check_digests:
-            mine = {n: tensor_digest(t) for n, t in pairs}
-            bad = sorted(n for n, d in self.llm.weight_digests(list(mine)).items() if d != mine[n])
-            if bad:
-                raise RuntimeError(
-                    f"after the weight push at step {trainer.state.global_step} the engine's "
-                    f"{len(bad)} tensors differ from the trainer's, e.g. {bad[:3]}"
-                )
+        pairs = [(n, p.detach()) for n, p in model.named_parameters()]
+        self.engine.push(pairs)
+        if self.check_digests and (bad := self.engine.mismatched(pairs)):
+            raise RuntimeError(
+                f"after the weight push at step {trainer.state.global_step} the engine's {len(bad)} "
+                f"tensors differ from the trainer's, e.g. {bad[:3]}"
+            )
         self.synced_step = trainer.state.global_step
         self.syncs.append((self.synced_step, len(pairs)))
 
+    def close(self) -> None:
+        """Leave the server's weight-update group (nothing to do for an in-process LLM)."""
+        if isinstance(self.engine, ServerEngine):
+            self.engine.close()
 
-def rollout_func(llm: LLM, **kwargs) -> SamebitsRollout:
-    """`GRPOTrainer(..., rollout_func=rollout_func(samebits.LLM(path)))`. Keywords: `seed` (the
-    requests' seeds are derived from it, the step and the index; None: the engine draws),
-    `ignore_eos` (every completion `max_completion_length` tokens), `check_digests` (compare
-    every tensor's sha256 after each push, default True), `logprob_formula` (default "trl",
-    TRL's line; any other is for controls: TRL's recompute then differs)."""
-    return SamebitsRollout(llm, **kwargs)
+
+def rollout_func(
+    llm_or_url: LLM | str,
+    *,
+    api_key: str | None = None,
+    group_address: str = "127.0.0.1",
+    group_port: int | None = None,
+    **kwargs,
+) -> SamebitsRollout:
+    """`GRPOTrainer(..., rollout_func=rollout_func(samebits.LLM(path)))`, or with the URL of a
+    `samebits serve` (`api_key`: its admin key; the weight-update group listens on this process's
+    `group_address:group_port`, None a free port). Keywords: `seed` (the requests' seeds are
+    derived from it, the step and the index; None: the engine draws), `ignore_eos` (every
+    completion `max_completion_length` tokens), `check_digests` (compare every tensor's sha256
+    after each push, default True), `logprob_formula` (default "trl", TRL's line; any other is for
+    controls: TRL's recompute then differs)."""
+    if isinstance(llm_or_url, LLM):
+        engine = engine_for(llm_or_url)
+    else:
+        engine = engine_for(llm_or_url, api_key=api_key, group_address=group_address, group_port=group_port)
+    return SamebitsRollout(engine, **kwargs)
 
 
 def check_trainer(trainer) -> None:

@@ -154,6 +154,7 @@ class SGLangSamplingParams(BaseModel):
     ignore_eos: bool = False
     n: StrictInt = 1
     sampling_seed: StrictInt | None = None
+    logprob_formula: str | None = None  # samebits': a trainer's log-prob line by name (docs/logprobs.md)
 
 
 class GenerateRequest(BaseModel):
@@ -188,6 +189,7 @@ class GenerateRequest(BaseModel):
             n=sp.n,
             stop=sp.stop or None,
             logprobs=self.top_logprobs_num or None,
+            logprob_formula=sp.logprob_formula,
         )
 
 
