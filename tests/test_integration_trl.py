@@ -6,7 +6,8 @@ sampled token, through its fused LM head) and the rollout's weights are pushed a
 and 2. The engine is a `samebits serve` on 127.0.0.1 (samebits' own protocol: `/generate`, the
 gloo weight-update group, `/weight_digests`; stopped by its PID), or an in-process `samebits.LLM`
 (weights pushed with `LLM.update_weights`).
-Prompts of different token lengths make TRL pad, so the packed path of `exact_logprobs` runs.
+Prompts of different token lengths and completions that end early make TRL pad, so the packed
+path of `exact_logprobs` runs.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ def _run(ckpt, tmp_path, where, **rollout_kwargs):
 def _train(ckpt, tmp_path, rollout, engine_digests):
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     model = sb.load_hf_model(ckpt)
+    # a third of the vocabulary ends a completion (TRL stops at its model's generation_config EOS
+    # ids), so completions end early at different lengths and TRL pads them on the right too
+    model.generation_config.eos_token_id = list(range(4, 384, 3))
     digests = []  # per generation batch: (engine's == trainer's, the trainer's digests)
 
     def reward(completion_ids, **kwargs):
@@ -131,7 +135,9 @@ def test_trls_recompute_equals_the_rollout_bit_for_bit_with_a_weight_sync(ckpt, 
     assert trainer.state.global_step == 4
     assert [s for s, _ in rollout.syncs] == [0, 2]  # pushed when global_step moved, not in between
     assert len(trainer.batches) == 2
-    assert any(not b["prompt_mask"].all() for b in trainer.batches)  # TRL padded: the packed path ran
+    # TRL padded prompts (left) and completions (right): the packed path ran
+    assert any(not b["prompt_mask"].all() for b in trainer.batches)
+    assert any(not b["completion_mask"].all() for b in trainer.batches)
     for b in trainer.batches:
         assert "old_per_token_logps" in b  # TRL's own recompute (steps_per_generation=2)
         mask = b["completion_mask"].bool()
