@@ -68,17 +68,17 @@ def _engine(ckpt, where: str):
         stop_server(proc)
 
 
-def _run(ckpt, tmp_path, where, **rollout_kwargs):
+def _run(ckpt, tmp_path, where, config=None, **rollout_kwargs):
     """4 steps of GRPOTrainer with samebits' rollout -> (trainer, rollout, digest checks per batch)."""
     with _engine(ckpt, where) as (target, engine_digests):
         rollout = sbtrl.rollout_func(target, seed=1, **rollout_kwargs)
         try:
-            return _train(ckpt, tmp_path, rollout, engine_digests)
+            return _train(ckpt, tmp_path, rollout, engine_digests, config or {})
         finally:
             rollout.close()
 
 
-def _train(ckpt, tmp_path, rollout, engine_digests):
+def _train(ckpt, tmp_path, rollout, engine_digests, config):
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     model = sb.load_hf_model(ckpt)
     # a third of the vocabulary ends a completion (TRL stops at its model's generation_config EOS
@@ -92,7 +92,7 @@ def _train(ckpt, tmp_path, rollout, engine_digests):
         digests.append((engine_digests(list(mine)) == mine, mine))
         return [float(sum(t % 2 for t in ids)) for ids in completion_ids]
 
-    args = GRPOConfig(
+    args = dict(
         output_dir=str(tmp_path / "out"),
         use_cpu=True,
         per_device_train_batch_size=4,
@@ -111,7 +111,7 @@ def _train(ckpt, tmp_path, rollout, engine_digests):
     trainer = RecordingGRPOTrainer(
         model=model,
         reward_funcs=reward,
-        args=args,
+        args=GRPOConfig(**(args | config)),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
         rollout_func=rollout,
     )
@@ -165,6 +165,17 @@ def test_control_the_default_formula_mismatches_trls_recompute(ckpt, tmp_path, w
     assert total > 0
     assert sum(_logged(trainer, "samebits/logprob_mismatch_count")) == total
     assert max(_logged(trainer, "sampling/sampling_logp_difference/max")) > 0
+
+
+def test_on_policy_batches_are_scored_by_trls_own_method_too(ckpt, tmp_path):
+    """One generation batch a step (TRL's default cadence): TRL computes no old log-probs, so
+    the metrics come from the integration's recompute with TRL's method; a push every step."""
+    trainer, rollout, digests = _run(ckpt, tmp_path, "llm", config=dict(steps_per_generation=1, max_steps=2))
+    assert all("old_per_token_logps" not in b for b in trainer.batches)
+    assert [s for s, _ in rollout.syncs] == [0, 1] and [same for same, _ in digests] == [True, True]
+    assert _logged(trainer, "samebits/logprob_mismatch_count") == [0.0, 0.0]
+    assert _logged(trainer, "sampling/sampling_logp_difference/max") == [0.0, 0.0]
+    assert all(n > 0 for n in _logged(trainer, "samebits/logprob_tokens"))
 
 
 def _trainer(ckpt, tmp_path, model=None, rollout=None, **over):
