@@ -24,6 +24,7 @@ ALLOWED = {
     "serve": {"engine", "model", "requests"},
     "rl": {"client", "engine", "model", "numerics", "requests", "trainer", "plotting"},
     "verify": {"engine", "model", "numerics", "requests", "trainer"},
+    "integrations": {"client", "engine", "numerics", "requests", "trainer"},  # frameworks' adapters (TRL)
     "bench": {"engine", "model", "numerics", "requests", "trainer", "plotting"},
     "cli_checks": {"engine", "model", "requests"},
     "cli": {"bench", "cli_checks", "rl", "serve", "verify"},

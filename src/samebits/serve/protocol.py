@@ -186,6 +186,7 @@ class SGLangSamplingParams(BaseModel):
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    logprob_formula: str | None = None  # samebits': a trainer's log-prob line by name (docs/logprobs.md)
 
     def check_unsupported(self) -> None:
         offs = (("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1), ("min_p", 0))
@@ -234,6 +235,7 @@ class GenerateRequest(BaseModel):
             n=sp.n,
             stop=sp.stop or None,
             logprobs=self.top_logprobs_num or None,
+            logprob_formula=sp.logprob_formula,
         )
 
 
