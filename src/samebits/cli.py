@@ -8,7 +8,6 @@ import sys
 
 from samebits import __version__, cli_checks
 from samebits.cli_checks import refuse
-from samebits.requests.sampling_params import LOGPROB_FORMULAS
 from samebits.serve import cli as serve_cli
 
 
@@ -177,7 +176,7 @@ def _add_rl(sub) -> None:
     r.add_argument(
         "--logprob-formula",
         default="log_softmax",
-        choices=LOGPROB_FORMULAS,
+        choices=serve_cli.LOGPROB_FORMULAS,  # the names (requests/), as `serve` offers them
         help="the trainer line of the log-probs, on both sides: the engine reports it and the trainer's "
         "recompute and update compute it, so the mismatch counts stay 0 (docs/logprobs.md); default "
         "log_softmax. With --server URL, start that server with the same --logprob-formula",
