@@ -82,6 +82,26 @@ def test_serve_flag_reaches_the_engine(tiny, tmp_path):
         assert not torch.equal(lps, _line("log_softmax", logits, ids)), (prompt, tokens)
 
 
+def test_serve_logprobs_mode_flag_reaches_the_engine(tiny, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--logprobs-mode", "logits"])
+    assert "invalid choice: 'logits'" in capsys.readouterr().err
+    ckpt = add_tiny_tokenizer(shutil.copytree(tiny, tmp_path / "tiny-tok"))
+    srv = Server(ckpt, "--max-num-seqs", "2", "--max-model-len", "64", "--logprobs-mode", "processed_logprobs")
+    try:
+        prompt = [5, 9, 11, 4]
+        sp = {"temperature": T, "top_p": 0.8, "max_new_tokens": 8, "ignore_eos": True, "sampling_seed": 3}
+        body = {"input_ids": prompt, "sampling_params": sp, "return_logprob": True}
+        answer = httpx.post(f"{srv.url}/generate", json=body, timeout=120).json()
+    finally:
+        srv.stop()
+    lps = torch.tensor([x[0] for x in answer["meta_info"]["output_token_logprobs"]])
+    logits, ids = _hf_rows(trainer.load_hf_model(ckpt, dtype=torch.bfloat16), prompt, answer["output_ids"])
+    with batch_invariant():
+        assert torch.equal(lps, trainer.processed_logprobs(logits, ids, T, top_p=0.8))
+    assert not torch.equal(lps, _line("log_softmax", logits, ids))  # control: the raw line
+
+
 def _rl_step(tiny, engine: str, trainer_line: str) -> dict:
     cfg = rl.RLConfig(
         model=str(tiny), steps=1, num_prompts=2, n=2, max_tokens=8, temperature=T, logprob_formula=engine

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from samebits import cli_checks
-from samebits.requests.sampling_params import LOGPROB_FORMULAS
+from samebits.requests.sampling_params import LOGPROB_FORMULAS, LOGPROBS_MODES
 from samebits.serve.auth import Keys
 from samebits.serve.limits import Limits
 
@@ -80,6 +80,16 @@ def add_parser(sub) -> None:
         help="the trainer line every request's sampled-token log-probs are reported by, bit for bit "
         "(docs/logprobs.md): log_softmax (default, torch.log_softmax(logits.float() / T)), trl (TRL's "
         "fused LM head), trl_selective (TRL's selective_log_softmax), verl, logsumexp, cross_entropy",
+    )
+    s.add_argument(
+        "--logprobs-mode",
+        default="raw_logprobs",
+        choices=LOGPROBS_MODES,
+        help="vLLM's option, what is reported per token (docs/logprobs.md): raw_logprobs (default: the "
+        "--logprob-formula line of the untruncated distribution at T), processed_logprobs (the log-prob "
+        "under the temperature-scaled, top-k/top-p-truncated, renormalised distribution the token was "
+        "drawn from, by --logprob-formula), raw_logits, processed_logits (the *_logits modes take only "
+        "--logprob-formula log_softmax)",
     )
     s.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     _add_security(s)
@@ -220,6 +230,7 @@ def run(args) -> int:
                 enable_prefix_caching=args.enable_prefix_caching,
                 async_scheduling=args.async_scheduling,
                 logprob_formula=args.logprob_formula,
+                logprobs_mode=args.logprobs_mode,
             )
         )
     except (ValueError, OSError, RuntimeError) as e:
