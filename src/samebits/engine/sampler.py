@@ -3,7 +3,8 @@
 The reported log-prob is the trainer's line `torch.log_softmax(logits.float() / T, dim=-1)`
 (T a Python float; `numerics.ops.reported_logprobs`, docs/design.md) of the unmodified
 distribution at the sampled token (T = 1 for greedy). What is sampled may be
-narrowed by top-k, top-p and min_tokens; that changes the choice only.
+narrowed by top-k, top-p and min_tokens; that changes the choice only, unless the row's
+`logprobs_mode` asks for the processed values (`_by_mode`, docs/logprobs.md).
 Randomness is a pure function of (request seed, output index, token id),
 computed on the logits' device by a counter-based hash: a request gets the same
 tokens alone, in any batch, and after preemption.

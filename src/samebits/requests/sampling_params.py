@@ -12,9 +12,10 @@ class SamplingParams:
     """How one request is sampled.
 
     temperature 0 is greedy; its reported log-probs are taken at temperature 1.
-    top_p / top_k change what is sampled, never the reported log-prob, which is
-    always `torch.log_softmax(logits.float() / temperature, dim=-1)` of the full
-    distribution, temperature a Python float (the trainer's line; docs/design.md).
+    top_p / top_k change what is sampled, not the reported log-prob (in the default
+    `logprobs_mode`, raw_logprobs), which is `torch.log_softmax(logits.float() / temperature,
+    dim=-1)` of the full distribution, temperature a Python float (the trainer's line;
+    docs/design.md).
     `seed` makes the request's samples a pure function of (seed, token index), so
     a request gives the same tokens alone, batched, or after preemption; it must be in
     [0, 2**63) (None: the engine draws one). Every field is type-checked: `ignore_eos`
