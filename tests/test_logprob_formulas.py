@@ -5,7 +5,10 @@ Claims: in one batch mixing every formula and temperature, each row's reported l
 its formula applied to the HF trainer model's logits of the same tokens under
 `batch_invariant()`; the engine-wide default (`LLM(logprob_formula=)`) is taken by requests that
 name none; the `trl` and `trl_selective` lines equal TRL's own code where TRL is installed; an
-unknown name is refused. Controls: the pairs of lines that are claimed to differ do differ, for
+unknown name is refused. At Qwen's vocabulary width (151,936 columns, five TRL tiles) `trl` is
+TRL's `ChunkedLogProbFunction` bit for bit, and TRL's own tile GEMMs run batch-invariant under
+`batch_invariant()` (a sequence alone = packed among others, log-probs and hidden gradients).
+Controls: the pairs of lines that are claimed to differ do differ, for
 the reason claimed, on rows where the rounding can show.
 """
 
@@ -228,3 +231,97 @@ def test_unknown_formula_is_refused_naming_the_allowed_values(tiny):
         assert name in str(e.value)
     with pytest.raises(ValueError, match="logprob_formula must be one of"):
         SamplingParams(logprob_formula="openrlhf")
+
+
+# --- at Qwen's vocabulary width: several TRL tiles, so the fold order matters ------------------
+
+QWEN_VOCAB = 151_936  # Qwen3-MoE's lm_head rows: 4 tiles of 32768 and one of 20864
+PIECES = ((0, 1), (1, 4), (4, 11), (11, 40))  # sequences of 1, 3, 7 and 29 tokens, packed in that order
+
+
+@pytest.fixture(scope="module")
+def qwen_width():
+    """hidden [40, 128] and an LM head [151936, 128] (logits of a few units, where rounding reaches
+    the log-prob), fp32 masters; tokens at the tiles' edges among random ones."""
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(40, 128, generator=g)
+    weight = torch.randn(QWEN_VOCAB, 128, generator=g) * 0.35
+    edges = [0, lf.TRL_VOCAB_TILE - 1, lf.TRL_VOCAB_TILE, 4 * lf.TRL_VOCAB_TILE, QWEN_VOCAB - 1]
+    ids = torch.cat([torch.tensor(edges), torch.randint(0, QWEN_VOCAB, (35,), generator=g)])
+    return hidden, weight, ids
+
+
+def _trls(hidden, weight, ids, t: float, grad: bool = False):
+    """TRL 1.16.0's own fused-head line, `ChunkedLogProbFunction` (what `add_fused_lm_head` runs),
+    -> (log-probs [n], d(sum log-probs)/d hidden [n, H] when `grad`)."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    hidden = hidden.detach().clone().requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        lps = ChunkedLogProbFunction.apply(hidden, weight, None, ids, t, lf.TRL_VOCAB_TILE, None, 1.0, ())[0]
+        if grad:
+            lps.sum().backward()
+    return lps.detach(), hidden.grad
+
+
+@pytest.mark.parametrize("t", TEMPS)
+def test_trl_line_equals_trls_function_at_qwen_vocab_width(qwen_width, t):
+    pytest.importorskip("trl")
+    hidden, weight, ids = (x.bfloat16() if x.is_floating_point() else x for x in qwen_width)
+    with batch_invariant(), torch.no_grad():
+        logits = hidden @ weight.t()  # the engine's LM head: [40, 151936] bf16
+        theirs = _trls(hidden, weight, ids, t)[0]
+        assert torch.equal(_line("trl", logits, ids, t), theirs), t
+        # control, the neighbour a TRL user gets by default: `log_softmax` (a divide by T, aten's
+        # reduction) mismatches at every temperature here
+        assert not torch.equal(_line("log_softmax", logits, ids, t), theirs), t
+
+
+def test_control_trl_fold_in_one_tile_mismatches_trls_at_qwen_vocab_width(qwen_width, monkeypatch):
+    # What the width tests: folding the 151,936 columns as one tile (the running max and sum
+    # rescaled once, not per tile) gives other bits than TRL's five tiles at some temperature.
+    pytest.importorskip("trl")
+    hidden, weight, ids = (x.bfloat16() if x.is_floating_point() else x for x in qwen_width)
+    with batch_invariant(), torch.no_grad():
+        logits = hidden @ weight.t()
+        theirs = {t: _trls(hidden, weight, ids, t)[0] for t in TEMPS}
+        monkeypatch.setattr(lf, "TRL_VOCAB_TILE", QWEN_VOCAB)
+        one_tile = {t: _line("trl", logits, ids, t) for t in TEMPS}
+    assert any(not torch.equal(one_tile[t], theirs[t]) for t in TEMPS)
+
+
+def _alone_and_packed(hidden, weight, ids, grad: bool):
+    """TRL's log-probs (and hidden gradients) of each sequence of PIECES alone, and of all of them
+    packed in one call, at T = 0.7."""
+    packed = _trls(hidden, weight, ids, 0.7, grad)
+    parts = [_trls(hidden[a:b], weight, ids[a:b], 0.7, grad) for a, b in PIECES]
+    alone = tuple(torch.cat([p[i] for p in parts]) if grad or i == 0 else None for i in range(2))
+    return alone, packed
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_trls_tile_gemm_is_batch_invariant_under_batch_invariant(qwen_width, dtype):
+    # TRL's own function: the forward's `torch.mm(..., out=tile)` and the backward's
+    # `addmm_` (`_addmm_fp32` off CUDA) run samebits' kernels under batch_invariant(), so a
+    # sequence alone and packed among others gives the same log-probs and hidden gradients.
+    pytest.importorskip("trl")
+    hidden, weight, ids = (x.to(dtype) if x.is_floating_point() else x for x in qwen_width)
+    with batch_invariant():
+        (alone, d_alone), (packed, d_packed) = _alone_and_packed(hidden, weight, ids, grad=True)
+    assert torch.equal(alone, packed)
+    assert torch.equal(d_alone, d_packed)
+
+
+def test_control_stock_tile_gemm_depends_on_the_packing(qwen_width):
+    # The same comparison outside batch_invariant() fails, from the GEMMs' dependence on the
+    # number of rows. On the CPU this was measured with oneDNN's bf16 GEMM row-invariant for the
+    # row counts here (the bf16 forward log-probs came out equal alone and packed: no control can
+    # show it there), while MKL's fp32 GEMM is not: fp32 TRL (an fp32 model) differs in its
+    # log-probs, and bf16 TRL in its hidden gradients, whose `addmm_` runs in fp32 on the CPU.
+    pytest.importorskip("trl")
+    hidden, weight, ids = qwen_width
+    (alone, _), (packed, _) = _alone_and_packed(hidden, weight, ids, grad=False)
+    assert not torch.equal(alone, packed)
+    hidden, weight = hidden.bfloat16(), weight.bfloat16()
+    (_, d_alone), (_, d_packed) = _alone_and_packed(hidden, weight, ids, grad=True)
+    assert not torch.equal(d_alone, d_packed)

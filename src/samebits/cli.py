@@ -128,6 +128,7 @@ def _rl_config(args):
         max_tokens=args.max_tokens,
         force_max_length=args.force_max_length,
         temperature=args.temperature,
+        logprob_formula=args.logprob_formula,
         lr=args.lr,
         max_grad_norm=args.max_grad_norm,
         clip_eps=args.clip_eps,
@@ -172,6 +173,14 @@ def _add_rl(sub) -> None:
         "--force-max-length", action="store_true", help="every response exactly --max-tokens (ignore eos)"
     )
     r.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1)")
+    r.add_argument(
+        "--logprob-formula",
+        default="log_softmax",
+        choices=serve_cli.LOGPROB_FORMULAS,  # the names (requests/), as `serve` offers them
+        help="the trainer line of the log-probs, on both sides: the engine reports it and the trainer's "
+        "recompute and update compute it, so the mismatch counts stay 0 (docs/logprobs.md); default "
+        "log_softmax. With --server URL, start that server with the same --logprob-formula",
+    )
     r.add_argument("--lr", type=float, default=3e-2, help="AdamW learning rate (default 3e-2)")
     r.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm (default 1)")
     r.add_argument("--clip-eps", type=float, default=0.2, help="ratio clip range 1 +- eps (default 0.2)")

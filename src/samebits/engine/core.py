@@ -37,6 +37,9 @@ class CompletionOutput:
     text: str
     finish_reason: str | None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # processed logprobs modes: per token, how many tokens the distribution it was drawn from
+    # kept (its support after bans, top-k and top-p); None in the raw modes
+    num_kept: list[int] | None = None
 
 
 @dataclass
@@ -56,6 +59,7 @@ class RequestOutput:
     # SGLang's: the `weight_version` of the weights the request ran on (engine process only;
     # a request never spans a weight update there)
     weight_version: str | None = None
+    num_kept: list[int] | None = None  # sample 0's (CompletionOutput.num_kept)
 
     @property
     def finished(self) -> bool:
@@ -98,6 +102,11 @@ class _Request:
         self.seqs: list[Seq] = []
         self.detoks: list[IncrementalDetokenizer | None] = []
         self.tops: list[list] = []
+        self.kept: list[list[int]] = []
+
+
+def _processed(params: SamplingParams) -> bool:
+    return (params.logprobs_mode or "").startswith("processed")
 
 
 def exclusive(method):
@@ -198,12 +207,13 @@ class EngineCore:
             req.seqs.append(seq)
             req.detoks.append(self._detokenizer(ids, params))
             req.tops.append([])
+            req.kept.append([])
         for seq in req.seqs:  # may raise (a sequence larger than the cache): nothing queued
             self.llm.scheduler.check_fits(seq)
         self._requests[request_id] = req
         for j, seq in enumerate(req.seqs):
             self._by_seq[seq.seq_id] = (req, j)
-            if params.logprobs or req.detoks[j] is not None:
+            if params.logprobs or req.detoks[j] is not None or _processed(seq.params):
                 self._watched[seq.seq_id] = (req, j)
             self.llm.scheduler.add(seq)
         return request_id
@@ -323,6 +333,8 @@ class EngineCore:
         req, j = self._watched[seq.seq_id]
         if req.params.logprobs:
             req.tops[j].append(out[2])
+        if len(out) > 3:  # a processed row's kept count (sampler.Kept)
+            req.kept[j].append(out[3])
         detok, stopped_now = req.detoks[j], False
         if detok is not None:
             detok.add(out[0])
@@ -366,6 +378,7 @@ class EngineCore:
                 text=req.detoks[j].text if req.detoks[j] is not None else "",
                 finish_reason=seq.finish_reason,
                 top_logprobs=list(req.tops[j]) if req.params.logprobs else None,
+                num_kept=list(req.kept[j]) if _processed(seq.params) else None,
             )
             for j, seq in enumerate(req.seqs)
         ]
@@ -379,6 +392,7 @@ class EngineCore:
             num_preemptions=req.seqs[0].num_preemptions,
             text=first.text,
             top_logprobs=first.top_logprobs,
+            num_kept=first.num_kept,
             request_id=request_id,
             outputs=outs,
         )

@@ -28,6 +28,7 @@ from samebits.model.hub import resolve_model_path
 from samebits.numerics import logprob_formulas
 from samebits.numerics.profile import PROFILES
 from samebits.requests import SamplingParams
+from samebits.requests.sampling_params import logprobs_mode_problem
 
 NUMERICS = tuple(PROFILES)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -56,6 +57,11 @@ class EngineConfig:
     # the trainer line the sampled tokens' log-probs are reported by, for requests that name
     # none (numerics/logprob_formulas.py, docs/logprobs.md): a name or a row function
     logprob_formula: str | Callable = "log_softmax"
+    # vLLM's option: what is reported per token, for requests that name none: raw_logprobs (the
+    # formula's line, untruncated), processed_logprobs (the log-prob under the truncated,
+    # renormalised distribution the token was drawn from), raw_logits, processed_logits
+    # (requests/sampling_params.py LOGPROBS_MODES, docs/logprobs.md)
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -85,6 +91,7 @@ class EngineConfig:
             raise ValueError(f"async_scheduling must be None or a bool, got {self.async_scheduling!r}")
         _check_device(self.device)
         problem = logprob_formulas.check(self.logprob_formula)
+        problem = problem or mode_problem(self.logprobs_mode, self.logprob_formula, self.device)
         if problem is not None:
             raise ValueError(problem)
 
@@ -253,6 +260,12 @@ class LLM:
     def _new_seq(self, i: int, ids: list[int], sp: SamplingParams) -> Seq:
         if sp.logprob_formula is None and self.engine.logprob_formula != logprob_formulas.DEFAULT:
             sp = dataclasses.replace(sp, logprob_formula=self.engine.logprob_formula)
+        if sp.logprobs_mode is None and self.engine.logprobs_mode != "raw_logprobs":
+            sp = dataclasses.replace(sp, logprobs_mode=self.engine.logprobs_mode)
+        if sp.logprobs_mode is not None and (
+            problem := mode_problem(sp.logprobs_mode, sp.logprob_formula, self.engine.device)
+        ):
+            raise ValueError(f"request {i}: {problem}")
         self._check_line(sp.logprob_formula)
         seq = Seq(seq_id=next(self._ids), index=i, prompt_token_ids=ids, params=sp)
         seq.seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
@@ -436,6 +449,18 @@ def _memory_tags(tags) -> frozenset[str]:
     if unknown:
         raise ValueError(f"unknown memory tag(s) {unknown}; valid tags are {list(MEMORY_TAGS)} (None: both)")
     return frozenset(tags)
+
+
+def mode_problem(mode: str, formula, device: str) -> str | None:
+    """`logprobs_mode_problem`, and the combination this engine's device cannot run."""
+    problem = logprobs_mode_problem(mode, formula)
+    if problem is None and mode == "processed_logprobs" and formula == "trl" and "cuda" in str(device):
+        problem = (
+            "logprobs_mode='processed_logprobs' with logprob_formula='trl' is not supported on CUDA yet "
+            "(TRL's Triton fold is not checked on truncated rows, whose masked tiles are -inf): run on "
+            "the CPU, or use logprob_formula='logsumexp' or logprobs_mode='raw_logprobs'"
+        )
+    return problem
 
 
 def _check_device(device: str) -> None:

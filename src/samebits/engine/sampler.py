@@ -3,7 +3,8 @@
 The reported log-prob is the trainer's line `torch.log_softmax(logits.float() / T, dim=-1)`
 (T a Python float; `numerics.ops.reported_logprobs`, docs/design.md) of the unmodified
 distribution at the sampled token (T = 1 for greedy). What is sampled may be
-narrowed by top-k, top-p and min_tokens; that changes the choice only.
+narrowed by top-k, top-p and min_tokens; that changes the choice only, unless the row's
+`logprobs_mode` asks for the processed values (`_by_mode`, docs/logprobs.md).
 Randomness is a pure function of (request seed, output index, token id),
 computed on the logits' device by a counter-based hash: a request gets the same
 tokens alone, in any batch, and after preemption.
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from samebits.model.host_copy import to_device
+from samebits.numerics import truncation
 from samebits.numerics.logprob_formulas import DEFAULT, token_logprobs
 from samebits.numerics.ops import race, reported_logprobs, sample_plain
 from samebits.requests import SamplingParams
@@ -59,23 +61,8 @@ def row_keys(seeds: list[int], output_indices: list[int]) -> torch.Tensor:
     return torch.from_numpy(keys.astype(np.int64)).view(-1, 2)
 
 
-# Top-p sums each row's probabilities as integers: counts of 2**-MASS_BITS of the row's largest
-# power of two (`_mass`). Integer sums are exact, so a row's cumulative mass, and so its nucleus,
-# is the same whatever order a kernel adds in (a batched scan is another kernel than a single
-# row's, and may associate differently); the scale follows the row's own largest value, so a
-# row left with little mass (its likely tokens banned) is counted as finely as any other.
-MASS_BITS = 32  # counts < 2**32 each: a row's sum < V * 2**32 < 2**53 (V < 2**21), exact in float64
-NARROW_ROWS = 32  # rows narrowed per pass: bounds the sort's [rows, V] temporaries
-
-
-def _mass(ordered: torch.Tensor) -> torch.Tensor:
-    """Rows [R, V] float32 >= 0 in descending order -> int64 counts: each value times
-    2**(MASS_BITS - e), where 2**e bounds the row's largest value (`frexp`), truncated. The
-    scale is made from its bits and the product is exact in float64, so each count is a
-    function of its row alone; a row of zeros counts 0."""
-    exponent = torch.frexp(ordered[:, :1]).exponent.to(torch.int64)  # largest = m * 2**e, m in [0.5, 1)
-    scale = ((MASS_BITS - exponent + 1023) << 52).view(torch.float64)  # 2**(MASS_BITS - e), exactly
-    return (ordered.double() * scale).to(torch.int64)
+MASS_BITS, NARROW_ROWS = truncation.MASS_BITS, truncation.NARROW_ROWS  # (numerics/truncation.py)
+_mass = truncation.mass  # the counts top-p sums (a seam for the tests)
 
 
 def _cumsum(mass: torch.Tensor) -> torch.Tensor:
@@ -83,41 +70,20 @@ def _cumsum(mass: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(mass, dim=-1)
 
 
-def narrow_rows(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Zero the tokens outside each row's top-k, then outside its top-p nucleus: probs [R, V]
-    float32 >= 0, top_k[i] -1 (off) or >= 1, top_p[i] in (0, 1] (1: off) -> narrowed probs [R, V].
-
-    top-k keeps the tokens at least the k-th largest probability (ties kept); top-p keeps,
-    in descending order, each token whose strictly better tokens' mass is below p times the
-    mass top-k left. A row's result depends on its own values only: the k-th largest value
-    is one number whichever kernel selects it (`torch.topk` or the sort), the sort is a
-    permutation (stable), and the mass is summed in integers (`_mass`), exact in any order.
-    Rows go in passes of NARROW_ROWS, a few launches each whatever they ask."""
-    if probs.shape[0] == 0:
-        return probs.clone()
-    out = [
-        _narrow_pass(probs[lo : lo + NARROW_ROWS], top_k[lo : lo + NARROW_ROWS], top_p[lo : lo + NARROW_ROWS])
-        for lo in range(0, probs.shape[0], NARROW_ROWS)
-    ]
-    return out[0] if len(out) == 1 else torch.cat(out)
+def keep_rows(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """`truncation.keep_rows` with the sampler's scan and host copies: bool [R, V]."""
+    return truncation.keep_rows(probs, top_k, top_p, lambda p, ks, ps: _narrow_pass(p, ks, ps))
 
 
 def _narrow_pass(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    vocab = probs.shape[-1]
-    ks = [vocab if k == -1 else min(k, vocab) for k in top_k]
-    kth_at = to_device(torch.tensor(ks, dtype=torch.int64)[:, None] - 1, probs.device)
-    if all(p >= 1.0 for p in top_p):  # top-k only: its k-th value, no full sort
-        kth = torch.topk(probs, max(ks), dim=-1).values.gather(1, kth_at)
-        return torch.where(probs >= kth, probs, 0.0)
-    ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    kth = ordered.gather(1, kth_at)
-    mass = _mass(torch.where(ordered >= kth, ordered, 0.0))  # what top-k leaves, in order
-    through = _cumsum(mass)
-    before = (through - mass).double()  # < 2**53 (MASS_BITS): exact
-    p = to_device(torch.tensor(top_p, dtype=torch.float64)[:, None], probs.device)
-    keep_ordered = (before < p * through[:, -1:].double()) | (p >= 1.0)
-    keep = torch.empty_like(keep_ordered).scatter_(1, order, keep_ordered)
-    return torch.where(keep & (probs >= kth), probs, 0.0)
+    """One pass of `keep_rows` (a seam for the tests, as `_cumsum` and `_mass` are)."""
+    return truncation.keep_pass(probs, top_k, top_p, _cumsum, to_device, _mass)
+
+
+def narrow_rows(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Zero the tokens outside each row's top-k, then outside its top-p nucleus (`keep_rows`):
+    probs [R, V] float32 >= 0 -> narrowed probs [R, V]."""
+    return torch.where(keep_rows(probs, top_k, top_p), probs, 0.0)
 
 
 def has_sampling_rules(reqs: list[SampleRequest]) -> bool:
@@ -128,8 +94,16 @@ def has_sampling_rules(reqs: list[SampleRequest]) -> bool:
         or r.params.logprobs
         or (r.params.temperature > 0 and _narrows(r.params))
         or _other_line(r.params)
+        or _mode(r.params) != RAW
         for r in reqs
     )
+
+
+RAW = "raw_logprobs"
+
+
+def _mode(params: SamplingParams) -> str:
+    return params.logprobs_mode or RAW
 
 
 def _other_line(params: SamplingParams) -> bool:
@@ -155,10 +129,10 @@ def sample_pending(logits: torch.Tensor, reqs: list[SampleRequest]) -> Pending:
     tokens, top-k/top-p and top log-probs included: the rules path is device ops too) and
     the host does not wait for them here (a step under async scheduling, engine/core.py); on
     the CPU the results at once."""
-    tokens, chosen, tops = _device_sample(logits, reqs)
+    tokens, chosen, tops, kept = _device_sample(logits, reqs)
     if logits.device.type != "cuda":
-        return Pending.done(_results(tokens, chosen, tops), logits.device)
-    return Pending.copying(tokens, chosen, tops)
+        return Pending.done(_results(tokens, chosen, tops, kept), logits.device)
+    return Pending.copying(tokens, chosen, tops, **({} if kept is None else {"kept": kept}))
 
 
 def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> list[tuple]:
@@ -174,7 +148,7 @@ def _device_sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple:
     race, `Tops`)."""
     temps, keys, random_row = (to_device(t, logits.device) for t in row_inputs(reqs))
     if not has_sampling_rules(reqs):
-        return (*sample_plain(logits, temps, keys, random_row), None)
+        return (*sample_plain(logits, temps, keys, random_row), None, None)
     lps = reported_logprobs(logits, temps)  # [N, V] float32
     probs = lps.exp()
     rows = [i for i, req in enumerate(reqs) for _ in req.banned]
@@ -185,11 +159,19 @@ def _device_sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple:
         probs[at[0], at[1]] = 0.0
         scores[at[0], at[1]] = float("-inf")
     narrowed = [i for i, r in enumerate(reqs) if r.params.temperature > 0 and _narrows(r.params)]
-    if narrowed:  # every narrowed row in a few batched passes (`narrow_rows`)
+    processed = [i for i, r in enumerate(reqs) if _mode(r.params).startswith("processed")]
+    keep = None  # [N, V] bool: the support of each row's sampled distribution (processed rows)
+    if processed:
+        keep = torch.ones_like(probs, dtype=torch.bool)
+        if rows:
+            keep[at[0], at[1]] = False
+    if narrowed:  # every narrowed row in a few batched passes (`keep_rows`)
         at = to_device(torch.tensor(narrowed), logits.device)
         picked = [reqs[i].params for i in narrowed]
-        kept = narrow_rows(probs.index_select(0, at), [q.top_k for q in picked], [q.top_p for q in picked])
-        probs.index_copy_(0, at, kept)
+        kept = keep_rows(probs.index_select(0, at), [q.top_k for q in picked], [q.top_p for q in picked])
+        probs.index_copy_(0, at, torch.where(kept, probs.index_select(0, at), 0.0))
+        if keep is not None:
+            keep.index_copy_(0, at, kept & keep.index_select(0, at))
     tokens, chosen = race(lps, probs, scores, keys, random_row)
     lined = [i for i, r in enumerate(reqs) if _other_line(r.params)]
     if lined:  # the sampled tokens' log-probs by each row's own trainer line
@@ -205,8 +187,53 @@ def _device_sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple:
                 [q.logprob_formula for q in picked],
             ),
         )
+    chosen, values, kept_counts = _by_mode(logits, lps, keep, temps, tokens, chosen, reqs)
     asked = [(i, req.params.logprobs) for i, req in enumerate(reqs) if req.params.logprobs]
-    return tokens, chosen, Tops.of(lps, asked) if asked else None
+    return tokens, chosen, Tops.of(values, asked) if asked else None, kept_counts
+
+
+def _by_mode(logits, lps, keep, temps, tokens, chosen, reqs) -> tuple:
+    """The reported values by each row's `logprobs_mode` (vLLM's names; docs/logprobs.md) ->
+    (the sampled tokens' values [N], the rows' full values [N, V] the top log-probs are read
+    from, Kept or None). raw_logprobs: `chosen` and `lps` as they are."""
+    modes = [_mode(r.params) for r in reqs]
+    if all(m == RAW for m in modes):
+        return chosen, lps, None
+    values = lps.clone()
+    for mode in ("raw_logits", "processed_logits", "processed_logprobs"):
+        rows = [i for i, m in enumerate(modes) if m == mode]
+        if not rows:
+            continue
+        at = to_device(torch.tensor(rows), logits.device)
+        rl = logits.index_select(0, at)
+        if mode == "raw_logits":
+            full = rl.float()
+        elif mode == "processed_logits":
+            full = truncation.processed_logits_rows(rl, keep.index_select(0, at), temps.index_select(0, at))
+        else:  # the default line's rows for the top log-probs; the token's value by its formula
+            rk = keep.index_select(0, at)
+            full = reported_logprobs(truncation.masked_logits(rl, rk), temps.index_select(0, at))
+            picked = [reqs[i].params for i in rows]
+            temps_, lines = [q.temperature for q in picked], [q.logprob_formula for q in picked]
+            token = truncation.processed_logprobs_of(rl, tokens.index_select(0, at), rk, temps_, lines)
+        if mode != "processed_logprobs":
+            token = full.gather(1, tokens.index_select(0, at)[:, None])[:, 0]
+        values.index_copy_(0, at, full)
+        chosen = chosen.index_copy(0, at, token)
+    processed = [i for i, m in enumerate(modes) if m.startswith("processed")]
+    counts = None
+    if processed:
+        at = to_device(torch.tensor(processed), logits.device)
+        counts = Kept(processed, keep.index_select(0, at).sum(-1))
+    return chosen, values, counts
+
+
+class Kept(NamedTuple):
+    """How many tokens the sampled distribution of each processed row kept (its support after
+    bans, top-k and top-p): row i of `rows` has counts[i] (int64, on the device until read)."""
+
+    rows: list[int]
+    counts: torch.Tensor
 
 
 class Tops(NamedTuple):
@@ -245,14 +272,22 @@ class Tops(NamedTuple):
         return out
 
 
-def _results(tokens: torch.Tensor, chosen: torch.Tensor, tops: Tops | None, ids=None, lps=None) -> list[tuple]:
-    """Host results per row: (token, log-prob[, top log-probs]) from tensors on any device
-    (`ids`, `lps`: host copies of the tops' tensors, when made)."""
+def _results(
+    tokens: torch.Tensor, chosen: torch.Tensor, tops: Tops | None, kept: Kept | None = None, host=()
+) -> list[tuple]:
+    """Host results per row: (token, log-prob[, top log-probs]) from tensors on any device;
+    a processed row (`Kept`) gets (token, value, top log-probs or None, kept count). `host`:
+    the host copies of the tops' ids and log-probs and of the kept counts, when made."""
     out = list(zip(tokens.tolist(), chosen.tolist(), strict=True))
+    host = list(host)
     if tops is not None:
-        ids, lps = (tops.ids, tops.logprobs) if ids is None else (ids, lps)
+        ids, lps = (tops.ids, tops.logprobs) if not host else (host.pop(0), host.pop(0))
         for row, top in tops.lists(ids.tolist(), lps.tolist()).items():
             out[row] = (*out[row], top)
+    if kept is not None:
+        counts = (kept.counts if not host else host.pop(0)).tolist()
+        for row, count in zip(kept.rows, counts, strict=True):
+            out[row] = (*out[row][:2], out[row][2] if len(out[row]) > 2 else None, count)
     return out
 
 
@@ -264,9 +299,9 @@ class Pending:
     they are only valid until the next launch). `result()` waits for the step and returns
     (token, log-prob[, top log-probs]) per row, as `sample` does."""
 
-    __slots__ = ("_tokens", "_results", "_host", "_event", "_device", "_tops")
+    __slots__ = ("_tokens", "_results", "_host", "_event", "_device", "_tops", "_kept")
 
-    def __init__(self, tokens=None, results=None, host=None, event=None, device=None, tops=None):
+    def __init__(self, tokens=None, results=None, host=None, event=None, device=None, tops=None, kept=None):
         self._tokens, self._results, self._host, self._event, self._device = (
             tokens,
             results,
@@ -274,7 +309,7 @@ class Pending:
             event,
             device,
         )
-        self._tops = tops
+        self._tops, self._kept = tops, kept
 
     @classmethod
     def done(cls, results: list[tuple], device) -> Pending:
@@ -282,17 +317,20 @@ class Pending:
         return cls(results=results, device=device)
 
     @classmethod
-    def copying(cls, tokens: torch.Tensor, chosen: torch.Tensor, tops: Tops | None = None) -> Pending:
+    def copying(
+        cls, tokens: torch.Tensor, chosen: torch.Tensor, tops: Tops | None = None, kept: Kept | None = None
+    ) -> Pending:
         """Samples still on the device (a CUDA graph's outputs [N], or an eager step's; with
         the asked rows' top log-probs): copied into pinned host memory behind the step on the
         current stream, waited for by `result()`."""
         parts = (tokens, chosen) if tops is None else (tokens, chosen, tops.ids, tops.logprobs)
+        parts += () if kept is None else (kept.counts,)
         host = tuple(torch.empty_like(t, device="cpu", pin_memory=True) for t in parts)
         for h, t in zip(host, parts, strict=True):
             h.copy_(t, non_blocking=True)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(tokens.device))  # the step's device, not the current one
-        return cls(tokens=tokens, host=host, event=event, tops=tops)
+        return cls(tokens=tokens, host=host, event=event, tops=tops, kept=kept)
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -303,6 +341,6 @@ class Pending:
     def result(self) -> list[tuple]:
         if self._results is None:
             self._event.synchronize()
-            self._results = _results(*self._host[:2], self._tops, *self._host[2:])
-            self._host = self._event = self._tops = None
+            self._results = _results(*self._host[:2], self._tops, self._kept, self._host[2:])
+            self._host = self._event = self._tops = self._kept = None
         return self._results

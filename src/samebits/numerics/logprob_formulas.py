@@ -114,8 +114,11 @@ def trl(logits: Tensor, ids: Tensor, temps: Tensor) -> Tensor:
         end = min(start + TRL_VOCAB_TILE, vocab)
         z = logits[:, start:end].float() * 1.0 * inv_t[:, None]  # [n, w]
         new_max = torch.maximum(running_max, z.amax(-1))
-        rescale = torch.exp(running_max - new_max)
-        sum_exp = sum_exp * rescale + torch.exp(z - new_max[:, None]).sum(-1)
+        # a row whose tiles so far are all -inf (masked: processed_logprobs) folds 0, not NaN;
+        # any other row's max is finite and is used as is, so TRL's bits are unchanged
+        at = torch.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = torch.exp(running_max - at)
+        sum_exp = sum_exp * rescale + torch.exp(z - at[:, None]).sum(-1)
         running_max = new_max
         local = ids - start
         inside = (local >= 0) & (local < end - start)

@@ -12,9 +12,10 @@ class SamplingParams:
     """How one request is sampled.
 
     temperature 0 is greedy; its reported log-probs are taken at temperature 1.
-    top_p / top_k change what is sampled, never the reported log-prob, which is
-    always `torch.log_softmax(logits.float() / temperature, dim=-1)` of the full
-    distribution, temperature a Python float (the trainer's line; docs/design.md).
+    top_p / top_k change what is sampled, not the reported log-prob (in the default
+    `logprobs_mode`, raw_logprobs), which is `torch.log_softmax(logits.float() / temperature,
+    dim=-1)` of the full distribution, temperature a Python float (the trainer's line;
+    docs/design.md).
     `seed` makes the request's samples a pure function of (seed, token index), so
     a request gives the same tokens alone, batched, or after preemption; it must be in
     [0, 2**63) (None: the engine draws one). Every field is type-checked: `ignore_eos`
@@ -31,6 +32,11 @@ class SamplingParams:
     name in `LOGPROB_FORMULAS`, computed in `numerics.logprob_formulas`, docs/logprobs.md; or a
     row function); None
     takes the engine's (`LLM(..., logprob_formula=)`, default "log_softmax", the line above).
+
+    `logprobs_mode`: what is reported per token, vLLM's names (`LOGPROBS_MODES`,
+    docs/logprobs.md): "raw_logprobs" (the line above, untruncated), "processed_logprobs" (the
+    log-prob under the truncated, renormalised distribution the token was drawn from, by the
+    formula), "raw_logits", "processed_logits"; None takes the engine's (`LLM(logprobs_mode=)`).
     """
 
     temperature: float = 1.0
@@ -46,6 +52,7 @@ class SamplingParams:
     logprobs: int | None = None
     detokenize: bool = True
     logprob_formula: str | Callable | None = None
+    logprobs_mode: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -100,8 +107,10 @@ class SamplingParams:
             return f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
         if not isinstance(self.detokenize, bool):
             return f"detokenize must be a bool, got {self.detokenize!r}"
-        if self.logprob_formula is not None:
-            return logprob_formula_problem(self.logprob_formula)
+        if self.logprob_formula is not None and (problem := logprob_formula_problem(self.logprob_formula)):
+            return problem
+        if self.logprobs_mode is not None:
+            return logprobs_mode_problem(self.logprobs_mode, self.logprob_formula)
         return None
 
 
@@ -117,6 +126,28 @@ def logprob_formula_problem(formula: object) -> str | None:
     if callable(formula) or formula in LOGPROB_FORMULAS:
         return None
     return f"logprob_formula must be one of {LOGPROB_FORMULAS} or a callable, got {formula!r}"
+
+
+# what is reported per token, vLLM's `logprobs_mode` names (docs/logprobs.md)
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+
+
+def logprobs_mode_problem(mode: object, formula: object = None) -> str | None:
+    """The problem with `mode` (with the row's or engine's `formula`) as a message, or None."""
+    if mode not in LOGPROBS_MODES:
+        return f"logprobs_mode must be one of {LOGPROBS_MODES}, got {mode!r}"
+    if mode.endswith("_logits") and formula not in (None, "log_softmax"):
+        return (
+            f"logprobs_mode={mode!r} reports logits, which no log-prob formula applies to, but "
+            f"logprob_formula is {formula!r}: leave logprob_formula at 'log_softmax' (or None), or "
+            "use raw_logprobs / processed_logprobs"
+        )
+    if mode == "processed_logprobs" and callable(formula):
+        return (
+            "logprobs_mode='processed_logprobs' with a row-function logprob_formula is not supported "
+            "(a row function is checked on untruncated rows only): use a named formula, or raw_logprobs"
+        )
+    return None
 
 
 def sample_seed(seed: int, j: int) -> int:

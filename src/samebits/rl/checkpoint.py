@@ -82,6 +82,8 @@ def check_config(saved: dict, config: RLConfig, allow_changes: tuple[str, ...] =
     """Refuse a config that differs from the checkpoint's, except fields in ALWAYS_ALLOWED
     and `allow_changes`; the error names each field with its old and new values."""
     now = asdict(config)
+    # a field newer than the checkpoint reads as its default (the value the run had)
+    saved = {f.name: f.default for f in fields(RLConfig) if f.name not in saved} | saved
     changed = [
         f"{k}: {_plain(saved.get(k))!r} -> {_plain(now.get(k))!r}"
         for k in sorted(set(saved) | set(now))

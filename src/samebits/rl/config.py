@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from samebits.engine.digest import DIGEST_KINDS
+from samebits.requests.sampling_params import LOGPROB_FORMULAS
 
 ALGORITHMS = ("gspo", "grpo")
 DTYPES = ("bfloat16", "float32")
@@ -46,6 +47,9 @@ class RLConfig:
     max_tokens: int = 24
     force_max_length: bool = False
     temperature: float = 1.0
+    # the trainer line both sides compute: the engine reports it, the recompute and the update
+    # use it (a name in LOGPROB_FORMULAS; numerics/logprob_formulas.py, docs/logprobs.md)
+    logprob_formula: str = "log_softmax"
     lr: float = 3e-2  # tuned for the tiny model: the toy reward rises within 5 steps
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -96,6 +100,7 @@ class RLConfig:
         _one_of("engine_numerics", self.engine_numerics, ENGINE_NUMERICS)
         _one_of("trainer_attention", self.trainer_attention, ATTENTION)
         _one_of("digest_kind", self.digest_kind, DIGEST_KINDS)
+        _one_of("logprob_formula", self.logprob_formula, LOGPROB_FORMULAS)
         for name in ("steps", "num_prompts", "prompt_len", "max_tokens", "mini_batches", "micro_batch_tokens"):
             _int_at_least(name, getattr(self, name), 1)
         _int_at_least("n", self.n, 2)  # a group of one has no spread to normalise by

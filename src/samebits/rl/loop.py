@@ -62,6 +62,7 @@ class RLLoop:
                 max_num_seqs=count * config.n,
                 max_model_len=config.max_model_len,
                 numerics=config.engine_numerics,
+                logprob_formula=config.logprob_formula,
             )
         self.trainable = train.freeze(self.model, config.freeze_patterns())
         self.optimizer = torch.optim.AdamW(
@@ -161,7 +162,13 @@ class RLLoop:
         chosen = [seqs[i] for i in micro] or [seqs[0][:2]]
         lens = [plens[i] for i in micro] or [1]
         return trainer.token_logprobs(
-            self.model, chosen, lens, packed=True, temperature=self.config.temperature, with_grad=with_grad
+            self.model,
+            chosen,
+            lens,
+            packed=True,
+            temperature=self.config.temperature,
+            with_grad=with_grad,
+            logprob_formula=self.config.logprob_formula,
         )
 
     # -- weights ----------------------------------------------------------------------------

@@ -52,6 +52,7 @@ class RemoteEngine:
 
     def _spawn(self, path: Path, config, key: str | None) -> str:
         args = ["--device", config.device, "--dtype", config.dtype, "--numerics", config.engine_numerics]
+        args += ["--logprob-formula", config.logprob_formula]
         args += ["--max-num-seqs", str(config.num_sequences), "--max-model-len", str(config.max_model_len)]
         self.proc, url = spawn_server(path, *args, api_key=key)
         return url

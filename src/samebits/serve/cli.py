@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from samebits import cli_checks
+from samebits.requests.sampling_params import LOGPROB_FORMULAS, LOGPROBS_MODES
 from samebits.serve.auth import Keys
 from samebits.serve.limits import Limits
 
@@ -73,6 +74,24 @@ def add_parser(sub) -> None:
         default=None,
         help="schedule and launch the next decode step while the device runs this one (the same "
         "tokens and bits under --numerics exact; default: on for CUDA, off on the CPU)",
+    )
+    s.add_argument(
+        "--logprob-formula",
+        default="log_softmax",
+        choices=LOGPROB_FORMULAS,
+        help="the trainer line every request's sampled-token log-probs are reported by, bit for bit "
+        "(docs/logprobs.md): log_softmax (default, torch.log_softmax(logits.float() / T)), trl (TRL's "
+        "fused LM head), trl_selective (TRL's selective_log_softmax), verl, logsumexp, cross_entropy",
+    )
+    s.add_argument(
+        "--logprobs-mode",
+        default="raw_logprobs",
+        choices=LOGPROBS_MODES,
+        help="vLLM's option, what is reported per token (docs/logprobs.md): raw_logprobs (default: the "
+        "--logprob-formula line of the untruncated distribution at T), processed_logprobs (the log-prob "
+        "under the temperature-scaled, top-k/top-p-truncated, renormalised distribution the token was "
+        "drawn from, by --logprob-formula), raw_logits, processed_logits (the *_logits modes take only "
+        "--logprob-formula log_softmax)",
     )
     s.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     _add_security(s)
@@ -212,6 +231,8 @@ def run(args) -> int:
                 cuda_graphs=not args.no_cuda_graphs,
                 enable_prefix_caching=args.enable_prefix_caching,
                 async_scheduling=args.async_scheduling,
+                logprob_formula=args.logprob_formula,
+                logprobs_mode=args.logprobs_mode,
             )
         )
     except (ValueError, OSError, RuntimeError) as e:

@@ -11,6 +11,7 @@ from samebits.trainer.logprobs import (
     token_logprobs,
 )
 from samebits.trainer.omni import load_hf_thinker
+from samebits.trainer.processed import processed_logprobs
 from samebits.trainer.registration import register
 from samebits.trainer.swap import use_samebits_forwards
 
@@ -25,6 +26,7 @@ __all__ = [
     "check_transformers_numerics",
     "load_hf_model",
     "load_hf_thinker",
+    "processed_logprobs",
     "register",
     "reset_rotary_inv_freq",
     "token_logprobs",

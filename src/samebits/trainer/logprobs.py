@@ -9,6 +9,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from transformers import AutoModelForCausalLM
 
 from samebits.model.families import family_for
+from samebits.numerics import logprob_formulas
 from samebits.numerics.ops import rotary_inv_freq
 from samebits.trainer import line
 from samebits.trainer.checks import from_pretrained_checked
@@ -101,6 +102,7 @@ def token_logprobs(
     with_grad: bool = False,
     multimodal: Sequence | None = None,
     logprob_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    logprob_formula: str = "log_softmax",
 ) -> list[torch.Tensor]:
     """Teacher-forced log-prob of every response token, one float32 tensor per sequence.
 
@@ -117,7 +119,15 @@ def token_logprobs(
 
     `logprob_fn` replaces the line (logits rows [n, V] -> log-probs [n, V]); for controls and
     for checking another formula against the engine (docs/design.md lists which are exact).
+    `logprob_formula`: the named trainer line instead of the default (a name in
+    `LOGPROB_FORMULAS`, `numerics.logprob_formulas`, docs/logprobs.md), the line an engine
+    run with the same `logprob_formula` reports.
     """
+    if logprob_formula not in logprob_formulas.FORMULAS:
+        raise ValueError(
+            f"logprob_formula must be one of {logprob_formulas.FORMULAS}, got {logprob_formula!r} "
+            "(a row function: pass logprob_fn, or call it on the logits yourself)"
+        )
     if len(sequences) != len(prompt_lens):
         raise ValueError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt_lens")
     for i, (seq, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
@@ -146,10 +156,12 @@ def token_logprobs(
                 n, p = len(sequences[i]), prompt_lens[i]
                 rows = logits[offset + p - 1 : offset + n - 1]  # [n - p, V]
                 targets = ids[offset + p : offset + n]
-                if logprob_fn is None:
-                    lp = line.trainer_logprobs(rows, temp)  # the trainer's line: reported_logprobs
-                else:
-                    lp = logprob_fn(rows)
-                out[i] = lp.gather(-1, targets[:, None])[:, 0]
+                if logprob_fn is None and logprob_formula != logprob_formulas.DEFAULT:
+                    out[i] = logprob_formulas.token_logprobs(
+                        rows, targets, [temp] * len(targets), [logprob_formula] * len(targets)
+                    )
+                else:  # the trainer's line (reported_logprobs), or the caller's
+                    lp = line.trainer_logprobs(rows, temp) if logprob_fn is None else logprob_fn(rows)
+                    out[i] = lp.gather(-1, targets[:, None])[:, 0]
                 offset += n
     return out  # type: ignore[return-value]
