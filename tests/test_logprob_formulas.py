@@ -325,3 +325,20 @@ def test_control_stock_tile_gemm_depends_on_the_packing(qwen_width):
     hidden, weight = hidden.bfloat16(), weight.bfloat16()
     (_, d_alone), (_, d_packed) = _alone_and_packed(hidden, weight, ids, grad=True)
     assert not torch.equal(d_alone, d_packed)
+
+
+@pytest.mark.gpu
+def test_trl_selective_on_cuda_is_trls_selective_log_softmax():
+    # the engine calls TRL's fused kernel from trl.kernels; TRL's public helper takes the same
+    # branch for these rows. Control: the CPU line (TRL's torch fallback) is not those bits.
+    pytest.importorskip("trl.trainer.utils", reason="TRL's helper needs pandas and datasets")
+    from trl.trainer.utils import selective_log_softmax
+
+    logits, ids = _rows(16)
+    logits, ids = logits.cuda(), ids.cuda()
+    with batch_invariant():
+        for t in TEMPS:
+            ours = lf.trl_selective_cuda(logits, ids, t).float()
+            assert torch.equal(ours, selective_log_softmax(logits, ids, temperature=t).float()), t
+        cpu = _line("trl_selective", logits.cpu(), ids.cpu(), 1.3)
+    assert not torch.equal(lf.trl_selective_cuda(logits, ids, 1.3).float().cpu(), cpu)

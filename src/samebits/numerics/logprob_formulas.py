@@ -168,9 +168,15 @@ def trl_cuda(logits: Tensor, ids: Tensor, temperature: float) -> Tensor:
 
 
 def trl_selective_cuda(logits: Tensor, ids: Tensor, temperature: float) -> Tensor:
-    """`trl_selective` on CUDA: TRL's own `selective_log_softmax` (its fused Triton kernel
-    where it supports the rows)."""
-    return _trl_module("trl.trainer.utils").selective_log_softmax(logits, ids, temperature=temperature)
+    """`trl_selective` on CUDA: TRL's own fused Triton kernel, the branch TRL 1.16.0's
+    `selective_log_softmax` takes for the engine's rows (CUDA, bf16/fp16/fp32, 2-D, last dim
+    contiguous, int64 ids, no row mask). Called from `trl.kernels`, which needs neither pandas nor
+    datasets (`trl.trainer.utils` does); tests/test_logprob_formulas.py checks the two equal where
+    all of TRL imports."""
+    if ids.dtype != torch.int64 or logits.stride(-1) != 1 or logits.ndim != 2:
+        raise ValueError("trl_selective on CUDA takes [n, V] logits with a contiguous last dim and int64 ids")
+    fused = _trl_module("trl.kernels").selective_log_softmax_and_entropy
+    return fused(logits, ids, temperature=temperature)[0]
 
 
 def _flash_ce():
