@@ -91,7 +91,7 @@ _NOT_OURS = re.compile(
     r"|tokenizer|tokenizer_config|generation_config|preprocessor_config|chat_template"
     r"|pyproject)\.(?:json|jsonl|csv|png|toml)$"
     r"|^model\.safetensors\.index\.json$"
-    r"|^(?:trl|verl|transformers|torch|triton|vllm|sglang|slime|areal)/"  # other projects' files, by their paths
+    r"|^(?:trl|verl|transformers|torch|triton|vllm|sglang|slime|areal)/"  # other projects' files
     r"|^(?:runs|/|~|old/|\.venv/)|\*|<|\{"
 )
 
