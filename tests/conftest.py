@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -70,6 +72,16 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny(checkpoints):
     return checkpoints["mixed"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny, tmp_path_factory):
+    """The tiny checkpoint with a tokenizer, copied once a test module (a server may write to it)."""
+    from samebits.model.tiny_tokenizer import add_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-tok") / "tiny-tok"
+    shutil.copytree(tiny, path)
+    return add_tiny_tokenizer(path)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import socket
 
 import pytest
@@ -30,16 +29,8 @@ from samebits import trainer as sb  # noqa: E402
 from samebits.client import Client, spawn_server, stop_server  # noqa: E402
 from samebits.engine.digest import tensor_digest  # noqa: E402
 from samebits.integrations import trl as sbtrl  # noqa: E402
-from samebits.model.tiny_tokenizer import add_tiny_tokenizer  # noqa: E402
 
 PROMPTS = ["hello there", "the cat sat", "what is it", "a b c d e"]
-
-
-@pytest.fixture(scope="module")
-def ckpt(tiny, tmp_path_factory):
-    path = tmp_path_factory.mktemp("trl") / "tiny"
-    shutil.copytree(tiny, path)
-    return add_tiny_tokenizer(path)
 
 
 class RecordingGRPOTrainer(GRPOTrainer):

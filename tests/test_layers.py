@@ -86,3 +86,66 @@ def test_a_file_importing_upward_is_caught(tmp_path):
     f = tmp_path / "x.py"
     f.write_text("from samebits.engine.llm import LLM\nimport samebits.numerics.ops\n")
     assert _imports(f) == {"engine", "numerics"}
+
+
+# --- circles between modules, inside a package too (function-level imports count) -----------
+
+
+def _module_name(path: Path, root: Path) -> str:
+    name = ".".join(path.relative_to(root.parent).with_suffix("").parts)
+    return name.removesuffix(".__init__")
+
+
+def _module_graph(root: Path) -> dict[str, set[str]]:
+    """module -> the modules of the tree at `root` it imports, anywhere in its body. `from pkg
+    import sub` counts as an import of pkg.sub when sub is a module, else of pkg (its __init__)."""
+    files = {_module_name(f, root): f for f in root.rglob("*.py")}
+    graph = {}
+    for name, f in files.items():
+        out = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    out.add(sub if sub in files else node.module)
+            elif isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+        graph[name] = {m for m in out if m in files and m != name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each import circle as a path that comes back to its start (one a strongly connected set)."""
+    found, done = [], set()
+
+    def visit(node, stack):
+        if node in stack:
+            found.append([*stack[stack.index(node) :], node])
+            return
+        if node in done:
+            return
+        for dep in sorted(graph[node]):
+            visit(dep, [*stack, node])
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node, [])
+    return found
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    circles = _circles(_module_graph(ROOT))
+    assert not circles, f"import circles: {[' -> '.join(c) for c in circles]}"
+
+
+def test_a_planted_circle_inside_a_package_is_caught(tmp_path):
+    # negative control: a lazy (function-level) import back, as drift.py and swap.py once had
+    pkg = tmp_path / "samebits" / "trainer"
+    pkg.mkdir(parents=True)
+    (tmp_path / "samebits" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from samebits.trainer.a import f\n")
+    (pkg / "a.py").write_text("def f():\n    from samebits.trainer.b import g\n    return g()\n")
+    (pkg / "b.py").write_text("from samebits.trainer import a\n\ndef g():\n    return a\n")
+    graph = _module_graph(tmp_path / "samebits")
+    assert graph["samebits.trainer.b"] == {"samebits.trainer.a"}  # the submodule, not the package
+    assert _circles(graph) == [["samebits.trainer.a", "samebits.trainer.b", "samebits.trainer.a"]]

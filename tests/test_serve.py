@@ -5,7 +5,6 @@ abort, 400s. The server is a subprocess on 127.0.0.1, stopped by its PID."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,16 +15,8 @@ import torch
 from serve_server import Server
 
 from samebits import batch_invariant, trainer
-from samebits.model.tiny_tokenizer import add_tiny_tokenizer
 
 READY_TIMEOUT = 180
-
-
-@pytest.fixture(scope="module")
-def ckpt(tiny, tmp_path_factory):
-    path = tmp_path_factory.mktemp("serve") / "tiny-tok"
-    shutil.copytree(tiny, path)
-    return add_tiny_tokenizer(path)
 
 
 @pytest.fixture(scope="module")

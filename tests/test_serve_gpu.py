@@ -3,7 +3,6 @@ packed recompute on CUDA bit for bit (the Triton kernels on both sides), replay 
 
 from __future__ import annotations
 
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -11,16 +10,7 @@ import torch
 from serve_server import Server
 from test_serve import _recompute, _run
 
-from samebits.model.tiny_tokenizer import add_tiny_tokenizer
-
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def ckpt(tiny, tmp_path_factory):
-    path = tmp_path_factory.mktemp("serve-gpu") / "tiny-tok"
-    shutil.copytree(tiny, path)
-    return add_tiny_tokenizer(path)
 
 
 def test_cuda_server_16_mixed_clients_equal_the_trainer_bitwise(ckpt):

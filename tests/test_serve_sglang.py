@@ -8,7 +8,6 @@ refused naming the field. The server is a subprocess on 127.0.0.1, stopped by it
 from __future__ import annotations
 
 import os
-import shutil
 
 import httpx
 import pytest
@@ -16,16 +15,8 @@ import torch
 from serve_server import Server
 
 from samebits import batch_invariant, trainer
-from samebits.model.tiny_tokenizer import add_tiny_tokenizer
 
 T = 0.8
-
-
-@pytest.fixture(scope="module")
-def ckpt(tiny, tmp_path_factory):
-    path = tmp_path_factory.mktemp("serve-sglang") / "tiny-tok"
-    shutil.copytree(tiny, path)
-    return add_tiny_tokenizer(path)
 
 
 @pytest.fixture(scope="module")

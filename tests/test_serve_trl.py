@@ -23,15 +23,12 @@ below.
 
 from __future__ import annotations
 
-import shutil
-
 import httpx
 import pytest
 import torch
 from serve_server import Server
 
 from samebits import batch_invariant, trainer
-from samebits.model.tiny_tokenizer import add_tiny_tokenizer
 from samebits.numerics import logprob_formulas as lf
 from samebits.requests.sampling_params import LOGPROB_FORMULAS
 
@@ -60,15 +57,9 @@ def grpo_kwargs(**generation_kwargs) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tiny, tmp_path_factory):
-    path = tmp_path_factory.mktemp("serve-trl") / "tiny-tok"
-    shutil.copytree(tiny, path)
-    return add_tiny_tokenizer(path)
-
-
-@pytest.fixture(scope="module")
 def server(ckpt):
-    srv = Server(ckpt, "--max-num-seqs", "8", "--max-model-len", "256")
+    # as `trl vllm-serve` starts vLLM: the distribution the token was drawn from
+    srv = Server(ckpt, "--max-num-seqs", "8", "--max-model-len", "256", "--logprobs-mode", "processed_logprobs")
     yield srv
     srv.stop()
 

@@ -4,10 +4,9 @@
   data parallelism), with or without `include_dp`;
 - GET /server_info?config_format=json|text: `{"vllm_config": ...}`, the settings the server was
   started with under vLLM's config names. Only fields samebits has are written; each value is
-  the server's own. `model_config.logprobs_mode` is "processed_logprobs": the reported
-  log-prob is of the temperature-scaled distribution (vLLM's processed line; top_p and top_k
-  change what is sampled, not the value, so the two agree when both are off, as GRPOTrainer
-  sends by default). `weight_transfer_config` names the protocol this server's weights are
+  the server's own. `model_config.logprobs_mode` is the engine's (`samebits serve
+  --logprobs-mode`, vLLM's flag and names; `trl vllm-serve` starts vLLM with processed_logprobs).
+  `weight_transfer_config` names the protocol this server's weights are
   synced by (SGLang's endpoints, `weights_api.py`), or is null where it has none;
 - POST /reset_prefix_cache: drops the prefix cache once nothing is in flight: `{"success"}`;
 - POST /init_weight_transfer_engine, /start_weight_update, /update_weights,
@@ -60,7 +59,7 @@ def vllm_config(engine, model_name: str, settings: dict) -> dict:
             "dtype": settings.get("dtype"),
             "max_model_len": engine.max_model_len,
             "max_logprobs": MAX_LOGPROBS,
-            "logprobs_mode": settings.get("logprobs_mode", "processed_logprobs"),
+            "logprobs_mode": settings.get("logprobs_mode", "raw_logprobs"),
         },
         "cache_config": {
             "block_size": settings.get("block_size"),

@@ -37,7 +37,7 @@ from torch.func import functional_call
 from samebits.numerics import ops
 from samebits.numerics.batch_invariant import batch_invariant
 from samebits.trainer import line
-from samebits.trainer.forwards import _Swapped
+from samebits.trainer.forwards import _Swapped, forward_globals
 from samebits.trainer.hub_kernels import switch_back
 
 _TOKENS = 64
@@ -215,8 +215,6 @@ def _rotary_function(attn: nn.Module):
     own = attn.__dict__.get("_kernel_funcs", {}).get("apply_rotary_pos_emb")
     if own is not None:
         return own
-    from samebits.trainer.swap import forward_globals
-
     apply = forward_globals(attn).get("apply_rotary_pos_emb")
     if apply is None:
         raise TransformersDriftError(

@@ -200,3 +200,17 @@ def _router_forward(self, hidden_states: torch.Tensor):
         return _Router.apply(hidden_states, self.weight, self.top_k, self.norm_topk_prob)
     logits = _matmul(hidden_states, self.weight)
     return (logits, *pick("router", logits.device.type)(logits, self.top_k, self.norm_topk_prob))
+
+
+def base_forward(module: nn.Module):
+    """The class forward `module` had before any swap (a swapped module's transformers class's)."""
+    return type(module)._samebits_base.forward if isinstance(module, _Swapped) else type(module).forward
+
+
+def forward_globals(module: nn.Module) -> dict:
+    """The module globals of the function behind `module`'s class forward (where it finds
+    `apply_rotary_pos_emb` and the like)."""
+    fn = base_forward(module)
+    while getattr(fn, "__wrapped__", None) is not None:
+        fn = fn.__wrapped__
+    return getattr(fn, "__globals__", {})

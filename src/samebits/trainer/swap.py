@@ -24,6 +24,8 @@ from samebits.trainer.forwards import (
     _router_forward,
     _Swapped,
     _swapped_class,
+    base_forward,
+    forward_globals,
 )
 
 
@@ -50,11 +52,6 @@ def _closure_var(fn, name: str):
     if code is None or name not in code.co_freevars:
         return None
     return fn.__closure__[code.co_freevars.index(name)].cell_contents
-
-
-def base_forward(module: nn.Module):
-    """The class forward `module` had before any swap (a swapped module's transformers class's)."""
-    return type(module)._samebits_base.forward if isinstance(module, _Swapped) else type(module).forward
 
 
 def _reference_codes() -> dict[str, types.CodeType | None]:
@@ -90,15 +87,6 @@ def _same_forward(module: nn.Module, reference: types.CodeType | None, attrs: di
 _NORM_ATTRS = {"weight": torch.Tensor, "variance_epsilon": float}
 _ROUTER_ATTRS = {"weight": torch.Tensor, "top_k": int, "hidden_dim": int, "norm_topk_prob": bool}
 _ATTENTION_ATTRS = {"head_dim": int, "scaling": float, "attention_dropout": (int, float), "config": object}
-
-
-def forward_globals(module: nn.Module) -> dict:
-    """The module globals of the function behind `module`'s class forward (where it finds
-    `apply_rotary_pos_emb` and the like)."""
-    fn = base_forward(module)
-    while getattr(fn, "__wrapped__", None) is not None:
-        fn = fn.__wrapped__
-    return getattr(fn, "__globals__", {})
 
 
 def _qwen3_attention(module: nn.Module, codes: dict) -> bool:
