@@ -20,6 +20,7 @@ import pytest
 import torch
 
 pytest.importorskip("trl")
+pytest.importorskip("datasets")  # TRL's trainers need it; trl.kernels alone does not
 
 from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
