@@ -26,9 +26,9 @@ import torch
 
 from samebits.model.host_copy import to_device
 from samebits.numerics import truncation
-from samebits.numerics.logprob_formulas import DEFAULT, token_logprobs
+from samebits.numerics.logprob_formulas import DEFAULT, Head, token_logprobs
 from samebits.numerics.ops import race, reported_logprobs, sample_plain
-from samebits.requests import SamplingParams
+from samebits.requests import FusedLine, SamplingParams
 
 _MASK64 = (1 << 63) - 1
 _M32 = 0xFFFFFFFF
@@ -127,24 +127,31 @@ def row_inputs(reqs: list[SampleRequest]) -> tuple[torch.Tensor, torch.Tensor, t
     return torch.from_numpy(temps), keys, torch.from_numpy(random_row)
 
 
-def sample_pending(logits: torch.Tensor, reqs: list[SampleRequest]) -> Pending:
+def has_fused_line(reqs: list[SampleRequest]) -> bool:
+    """Whether some row's log-prob is a `FusedLine` of the hidden states: its step samples
+    eagerly, where the runner has the hidden rows (`sample_pending`'s `head`)."""
+    return any(isinstance(r.params.logprob_formula, FusedLine) for r in reqs)
+
+
+def sample_pending(logits: torch.Tensor, reqs: list[SampleRequest], head: Head | None = None) -> Pending:
     """`sample`'s rows as a `Pending`: on CUDA every row is sampled by device ops (banned
     tokens, top-k/top-p and top log-probs included: the rules path is device ops too) and
     the host does not wait for them here (a step under async scheduling, engine/core.py); on
-    the CPU the results at once."""
-    tokens, chosen, tops, kept = _device_sample(logits, reqs)
+    the CPU the results at once. `head`: the rows' hidden states [N, H] and the LM head
+    weight [V, H] the logits were projected by, for `FusedLine` rows."""
+    tokens, chosen, tops, kept = _device_sample(logits, reqs, head)
     if logits.device.type != "cuda":
         return Pending.done(_results(tokens, chosen, tops, kept), logits.device)
     return Pending.copying(tokens, chosen, tops, **({} if kept is None else {"kept": kept}))
 
 
-def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> list[tuple]:
+def sample(logits: torch.Tensor, reqs: list[SampleRequest], head: Head | None = None) -> list[tuple]:
     """logits [N, V] -> (token, float32 log-prob) per row, plus the top alternatives for rows
     that ask `logprobs=k`; one host sync for the batch."""
-    return _results(*_device_sample(logits, reqs))
+    return _results(*_device_sample(logits, reqs, head))
 
 
-def _device_sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple:
+def _device_sample(logits: torch.Tensor, reqs: list[SampleRequest], head: Head | None = None) -> tuple:
     """-> tokens [N], their reported log-probs [N] and `Tops` (None when no row asks for top
     log-probs), all on the logits' device: the plain race (`sample_plain`) when no row has
     sampling rules, else the rules path over the log-softmax rows (bans, `narrow_rows`, the
@@ -179,14 +186,14 @@ def _device_sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple:
     chosen, values, kept_counts = _by_mode(logits, lps, keep, temps, tokens, chosen, reqs)
     asked = [(i, req.params.logprobs) for i, req in enumerate(reqs) if req.params.logprobs]
     tops = Tops.of(values, asked) if asked else None
-    chosen, tops = _by_formula(logits, keep, tokens, chosen, tops, reqs)
+    chosen, tops = _by_formula(logits, keep, tokens, chosen, tops, reqs, head)
     return tokens, chosen, tops, kept_counts
 
 
 PROCESSED = "processed_logprobs"
 
 
-def _by_formula(logits, keep, tokens, chosen, tops, reqs) -> tuple:
+def _by_formula(logits, keep, tokens, chosen, tops, reqs, head=None) -> tuple:
     """The values of the rows reported by a formula line other than the default's raw row (a
     named or user formula in raw_logprobs; every processed_logprobs row): the sampled token's
     and its top-k ids' (ranked by `_by_mode`'s rows), one `token_logprobs` call per group on
@@ -205,7 +212,8 @@ def _by_formula(logits, keep, tokens, chosen, tops, reqs) -> tuple:
         ids, put = _token_and_tops(tokens.index_select(0, at), tops, rows)
         picked = [reqs[i].params for i in rows]
         lines = [q.logprob_formula or DEFAULT for q in picked]
-        got = token_logprobs(src, ids, [q.temperature for q in picked], lines)  # [n, 1 + w]
+        rows_head = None if head is None else (head[0].index_select(0, at), head[1])
+        got = token_logprobs(src, ids, [q.temperature for q in picked], lines, rows_head)  # [n, 1 + w]
         chosen = chosen.index_copy(0, at, got[:, 0])
         if put is not None:
             into, frm = (to_device(t, logits.device) for t in put)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from samebits.numerics.registry import pick
-from samebits.requests.sampling_params import LOGPROB_FORMULAS, logprob_formula_problem
+from samebits.requests.sampling_params import LOGPROB_FORMULAS, FusedLine, logprob_formula_problem
 
 Tensor = torch.Tensor
 RowFunction = Callable[[Tensor, Tensor, float], Tensor]  # (logits [n, V], ids [n], T) -> [n]
@@ -228,20 +228,32 @@ LINES: dict[str, Line] = {
 }
 
 
+Head = tuple[Tensor, Tensor]  # (final hidden states [N, H], LM head weight [V, H]): a FusedLine's inputs
+
+
 def token_logprobs(
-    logits: Tensor, ids: Tensor, temperatures: Sequence[float], formulas: Sequence[str | RowFunction]
+    logits: Tensor,
+    ids: Tensor,
+    temperatures: Sequence[float],
+    formulas: Sequence[str | RowFunction | FusedLine],
+    head: Head | None = None,
 ) -> Tensor:
     """logits [N, V] (the model's dtype), ids [N] or [N, k], each row's temperature (a Python
     float; 0, greedy, reads as 1) and formula -> float32 log-probs of ids' shape, each row by its
     own line. With ids [N, k] (a row's sampled token and its top-k ids) the row's line is
-    reduced once and read at each id: the value at an id is the line's for that id alone."""
+    reduced once and read at each id: the value at an id is the line's for that id alone.
+    `head`: the rows' hidden states and the LM head, which a `FusedLine` row is computed from
+    (the logits are the head's projection of the hidden states)."""
     if ids.ndim == 1:
-        return token_logprobs(logits, ids[:, None], temperatures, formulas)[:, 0]
+        return token_logprobs(logits, ids[:, None], temperatures, formulas, head)[:, 0]
     temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=torch.float32)
     temps = temps.to(logits.device)
     out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
     for formula in dict.fromkeys(formulas):  # each distinct formula once, in order of first use
         rows = torch.tensor([i for i, f in enumerate(formulas) if f == formula], device=logits.device)
+        if isinstance(formula, FusedLine):
+            out[rows] = _fused_line(formula, head)(logits[rows], ids[rows], temps[rows], rows)
+            continue
         line = LINES[formula] if isinstance(formula, str) else _user_line(formula)
         out[rows] = line(logits[rows], ids[rows], temps[rows])
     return out
@@ -249,6 +261,23 @@ def token_logprobs(
 
 def _user_line(fn: RowFunction) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     return lambda logits, ids, temps: _by_temperature(fn, logits, ids, temps)
+
+
+def _fused_line(line: FusedLine, head: Head | None) -> Callable:
+    """A FusedLine as a line over the rows `rows` of `head`'s hidden states: fn(hidden rows,
+    weight, ids [n], T) per temperature and per column of ids."""
+    if head is None:
+        raise ValueError(
+            f"logprob_formula FusedLine({line.name}) is computed from the hidden states and the LM "
+            "head, and this call was given logits only (pass head=(hidden, lm_head_weight))"
+        )
+    hidden, weight = head
+
+    def fused(logits: Tensor, ids: Tensor, temps: Tensor, rows: Tensor) -> Tensor:
+        fn = lambda h, i, t: line.fn(h, weight, i, t)  # noqa: E731 - a row function of the hidden rows
+        return _by_temperature(fn, hidden.index_select(0, rows.to(hidden.device)), ids, temps)
+
+    return fused
 
 
 def check_row_invariant(fn: RowFunction, vocab: int, dtype: torch.dtype, device: str = "cpu") -> None:
@@ -268,4 +297,25 @@ def check_row_invariant(fn: RowFunction, vocab: int, dtype: torch.dtype, device:
                 raise ValueError(
                     f"logprob_formula {name} is not row-invariant: a batch of 5 rows and the rows "
                     f"one at a time differ at temperature {t} under batch_invariant()"
+                )
+
+
+def check_fused_row_invariant(line: FusedLine, weight: Tensor) -> None:
+    """Refuse a user's fused line (`logprob_formula=FusedLine(fn)`) unless a batch of 5 rows of
+    hidden states and each row alone give the same bits under batch_invariant(), at two
+    temperatures, with the engine's own LM head `weight` [V, H] (its dtype and device)."""
+    from samebits.numerics.batch_invariant import batch_invariant
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, weight.shape[1], generator=g).to(weight.dtype).to(weight.device)
+    ids = torch.randint(0, weight.shape[0], (5,), generator=g).to(weight.device)
+    with batch_invariant(), torch.no_grad():
+        for t in (1.0, 0.7):
+            whole = line.fn(hidden, weight, ids, t).float()
+            alone = [line.fn(hidden[i : i + 1], weight, ids[i : i + 1], t).float().reshape(1) for i in range(5)]
+            if whole.shape != ids.shape or not torch.equal(whole, torch.cat(alone)):
+                raise ValueError(
+                    f"logprob_formula FusedLine({line.name}) is not row-invariant: a batch of 5 rows "
+                    f"of hidden states and the rows one at a time differ at temperature {t} under "
+                    "batch_invariant()"
                 )
