@@ -155,3 +155,91 @@ def test_what_a_fused_line_cannot_do_is_refused(tiny):
     logits = torch.zeros(2, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="given logits only"):
         lf.token_logprobs(logits, torch.tensor([1, 2]), [1.0, 1.0], [FusedLine(projected_log_softmax)] * 2)
+
+
+# --- fused cross-entropy kernels on CUDA (docs/logprobs.md "Fused cross-entropy kernels") -----------
+
+
+def liger_flce(hidden, weight, ids, t):
+    """Liger 0.8.5's fused linear cross-entropy (`liger_fused_linear_cross_entropy`), minus its
+    per-token loss (reduction="none"), as a user's fused line. Liger takes no temperature; this
+    line is Liger's at T = 1 and divides the hidden states by T in their dtype otherwise."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    return -liger_fused_linear_cross_entropy(hidden if t == 1.0 else hidden / t, weight, ids, reduction="none")
+
+
+def _qwen_head(n: int):
+    """hidden [n, 2048] and an LM head [151936, 2048] in bf16 on CUDA (Qwen3-30B-A3B's shape)."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(n, 2048, generator=g).bfloat16().cuda()
+    weight = (torch.randn(151_936, 2048, generator=g) * 0.02).bfloat16().cuda()
+    return hidden, weight, torch.randint(0, 151_936, (n,), generator=g).cuda()
+
+
+def _alone_and_packed(fn, hidden, weight, ids, grad: bool = False):
+    """fn on every row alone (Liger's chunk of 1 row) and on all rows at once (chunks of 8 at
+    600 rows: Liger's chunk size follows the number of rows)."""
+    h = hidden.detach().clone().requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        packed = fn(h, weight, ids, 1.0).detach()
+    alone = torch.cat([fn(hidden[i : i + 1], weight, ids[i : i + 1], 1.0) for i in range(len(ids))])
+    return alone, packed
+
+
+@pytest.mark.gpu
+def test_liger_flce_as_a_fused_line_is_row_invariant_under_batch_invariant():
+    # Liger chunks the rows by a size that follows their number (600 rows at V 151936, H 2048:
+    # chunks of 8) and projects each chunk with `torch.mm(..., out=)` (inference) or `@` (with
+    # grad); under batch_invariant() both are samebits' M-invariant GEMM, and its CE kernel is one
+    # program per row, so each row's value is the same alone, packed, and in the trainer (grad).
+    pytest.importorskip("liger_kernel")
+    hidden, weight, ids = _qwen_head(600)
+    with batch_invariant():
+        lf.check_fused_row_invariant(FusedLine(liger_flce), weight)
+        with torch.no_grad():
+            alone, packed = _alone_and_packed(liger_flce, hidden, weight, ids)
+        _, trained = _alone_and_packed(liger_flce, hidden, weight, ids, grad=True)
+    assert torch.equal(alone, packed)
+    assert torch.equal(packed, trained)
+
+
+@pytest.mark.gpu
+def test_control_liger_flce_outside_batch_invariant_depends_on_the_packing():
+    # the same comparison with stock cuBLAS: the chunk GEMM's rows change with the chunk's M
+    pytest.importorskip("liger_kernel")
+    hidden, weight, ids = _qwen_head(600)
+    with torch.no_grad():
+        alone, packed = _alone_and_packed(liger_flce, hidden, weight, ids)
+    assert not torch.equal(alone, packed)
+
+
+@pytest.mark.gpu
+def test_engine_with_liger_flce_as_a_fused_line_is_liger_on_the_trainers_hidden_states(tiny):
+    pytest.importorskip("liger_kernel")
+    llm = LLM(tiny, device="cuda", max_num_seqs=4, max_model_len=64, logprob_formula=FusedLine(liger_flce))
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=90 + i) for i in range(4)
+    ]
+    outs = llm.generate([[3, 4, 5], [6, 7], [8, 9, 10, 11], [2, 12]], params)
+    del llm
+    model = trainer.load_hf_model(tiny, dtype=torch.bfloat16, device="cuda")
+    for out in outs:
+        hidden, _, tokens = _hf(model, out)
+        with batch_invariant(), torch.no_grad():
+            assert torch.equal(out.logprobs, liger_flce(hidden, model.lm_head.weight, tokens, 1.0).cpu())
+
+
+@pytest.mark.gpu
+def test_flash_attn_ce_is_row_invariant_where_installed():
+    # verl's CUDA branch: the engine calls flash-attn's own cross_entropy_loss on its logits, so
+    # it is the trainer's value where the kernel's rows do not depend on the batch
+    pytest.importorskip("flash_attn.ops.triton.cross_entropy")
+    from flash_attn.ops.triton.cross_entropy import cross_entropy_loss
+
+    hidden, weight, ids = _qwen_head(64)
+    with batch_invariant(), torch.no_grad():
+        logits = hidden @ weight.t()
+        packed = cross_entropy_loss(logits, ids)[0]
+        alone = torch.cat([cross_entropy_loss(logits[i : i + 1], ids[i : i + 1])[0] for i in range(64)])
+    assert torch.equal(alone, packed)

@@ -62,8 +62,12 @@ def _theirs(formula: str, hidden, weight, logits, ids: torch.Tensor, t: float) -
         return _verl(logits, ids, t)
     pytest.importorskip("trl")
     if formula == "trl_selective":
-        from trl.trainer.utils import selective_log_softmax
+        try:
+            from trl.trainer.utils import selective_log_softmax
+        except ImportError:  # TRL's helper needs pandas and datasets; its CUDA branch is this kernel
+            from trl.kernels import selective_log_softmax_and_entropy
 
+            return selective_log_softmax_and_entropy(logits, ids, temperature=t)[0].float()
         return selective_log_softmax(logits, ids, temperature=t).float()
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
@@ -123,8 +127,8 @@ def _prompt(ti: int) -> list[int]:
     return [3 + ti, 5 + 2 * ti, 9, 2 + ti][: 2 + ti]
 
 
-@pytest.fixture(scope="module")
-def tops_run(tiny):
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def tops_run(tiny, request):
     """One batch: every formula at every temperature, `logprobs=K`; the rows of one temperature
     share prompt and seed (so the same tokens and top ids), and the HF trainer model."""
     cases = [(f, ti) for f in lf.FORMULAS for ti in range(len(ENGINE_TEMPS))]
@@ -135,14 +139,16 @@ def tops_run(tiny):
         )
         for f, ti in cases
     ]  # fmt: skip
-    llm = LLM(tiny, device="cpu", dtype="bfloat16", max_num_seqs=len(cases), max_model_len=64)
+    device = request.param
+    llm = LLM(tiny, device=device, dtype="bfloat16", max_num_seqs=len(cases), max_model_len=64)
     outs = llm.generate([_prompt(ti) for _, ti in cases], params)
-    return cases, outs, trainer.load_hf_model(tiny, dtype=torch.bfloat16)
+    del llm
+    return cases, outs, trainer.load_hf_model(tiny, dtype=torch.bfloat16, device=device)
 
 
 def _hf(model, out):
     """The trainer's final hidden states and logits at the positions that sampled, the tokens."""
-    ids = torch.tensor(out.prompt_token_ids + out.token_ids)
+    ids = torch.tensor(out.prompt_token_ids + out.token_ids, device=model.device)
     p = len(out.prompt_token_ids)
     with batch_invariant(), torch.no_grad():
         hidden = model.model(input_ids=ids[None], use_cache=False).last_hidden_state[0]
@@ -150,9 +156,9 @@ def _hf(model, out):
     return hidden[p - 1 : -1], logits[p - 1 : -1], ids[p:]
 
 
-def _top(out) -> tuple[torch.Tensor, torch.Tensor]:
-    """The output's top ids [n, K] and values [n, K]."""
-    ids = torch.tensor([[tok for tok, _ in step] for step in out.top_logprobs])
+def _top(out, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """The output's top ids [n, K] (on `device`) and values [n, K] (on the CPU)."""
+    ids = torch.tensor([[tok for tok, _ in step] for step in out.top_logprobs], device=device)
     values = torch.tensor([[v for _, v in step] for step in out.top_logprobs], dtype=torch.float32)
     return ids, values
 
@@ -163,11 +169,13 @@ def test_engine_top_logprobs_are_the_frameworks_values_at_those_ids(tops_run):
     for (formula, ti), out in zip(cases, outs, strict=True):
         t = ENGINE_TEMPS[ti] or 1.0
         hidden, logits, tokens = _hf(model, out)
-        ids, values = _top(out)
+        ids, values = _top(out, logits.device)
         assert ids.shape == (MAX_TOKENS, K)
         with batch_invariant(), torch.no_grad():
             for j in range(K):
-                assert torch.equal(values[:, j], _theirs(formula, hidden, weight, logits, ids[:, j], t)), (
+                assert torch.equal(
+                    values[:, j], _theirs(formula, hidden, weight, logits, ids[:, j], t).cpu()
+                ), (
                     formula,
                     t,
                     j,
