@@ -25,8 +25,9 @@ class SamplingParams:
     with `seed` itself), so the n samples differ and a replay gives the same n.
     `stop` strings end a sample when its detokenized text contains one (trimmed from the
     text, finish_reason "stop"; the token ids keep every sampled token). `logprobs=k` also
-    reports the k most likely tokens of the same log-softmax row the sampled token's
-    log-prob is read from. `detokenize` produces `text` (needs a tokenizer).
+    reports the k most likely tokens (ranked by the default log-softmax row), each valued by
+    the row's `logprob_formula` and `logprobs_mode` as the sampled token is. `detokenize`
+    produces `text` (needs a tokenizer).
 
     `logprob_formula`: which trainer's line the sampled token's log-prob is reported by (a
     name in `LOGPROB_FORMULAS`, computed in `numerics.logprob_formulas`, docs/logprobs.md; a
