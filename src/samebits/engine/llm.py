@@ -27,7 +27,7 @@ from samebits.model.families import family_for
 from samebits.model.hub import resolve_model_path
 from samebits.numerics import logprob_formulas
 from samebits.numerics.profile import PROFILES
-from samebits.requests import SamplingParams
+from samebits.requests import FusedLine, SamplingParams
 from samebits.requests.sampling_params import logprobs_mode_problem
 
 NUMERICS = tuple(PROFILES)
@@ -55,8 +55,9 @@ class EngineConfig:
     # for CUDA, off on the CPU (where the host waits for each step anyway)
     async_scheduling: bool | None = None
     # the trainer line the sampled tokens' log-probs are reported by, for requests that name
-    # none (numerics/logprob_formulas.py, docs/logprobs.md): a name or a row function
-    logprob_formula: str | Callable = "log_softmax"
+    # none (numerics/logprob_formulas.py, docs/logprobs.md): a name, a row function of the
+    # logits, or a FusedLine (a row function of the hidden states and the LM head)
+    logprob_formula: str | Callable | FusedLine = "log_softmax"
     # vLLM's option: what is reported per token, for requests that name none: raw_logprobs (the
     # formula's line, untruncated), processed_logprobs (the log-prob under the truncated,
     # renormalised distribution the token was drawn from), raw_logits, processed_logits
@@ -152,7 +153,7 @@ class LLM:
             weights=weights,
         )
         self.config, self.model = self.family.config, self.family.model
-        self._row_invariant: set[Callable] = set()  # the users' row functions checked so far
+        self._row_invariant: set[Callable | FusedLine] = set()  # the users' row functions checked so far
         self._check_line(self.engine.logprob_formula)
         if self.engine.max_model_len > self.config.max_position_embeddings:
             raise ValueError(
@@ -272,8 +273,14 @@ class LLM:
         return seq
 
     def _check_line(self, formula) -> None:
-        """Refuse a user's row function that is not row-invariant (checked once per function)."""
-        if callable(formula) and formula not in self._row_invariant:
+        """Refuse a user's row function or fused line that is not row-invariant (checked once
+        per function; a fused line with the engine's own LM head)."""
+        if formula in self._row_invariant:
+            return
+        if isinstance(formula, FusedLine):
+            logprob_formulas.check_fused_row_invariant(formula, self.model.lm_head.weight)
+            self._row_invariant.add(formula)
+        elif callable(formula):
             logprob_formulas.check_row_invariant(formula, self.config.vocab_size, self.engine.torch_dtype)
             self._row_invariant.add(formula)
 

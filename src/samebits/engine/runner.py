@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from samebits.engine.cuda_graphs import DecodeGraphs
-from samebits.engine.sampler import Pending, SampleRequest, sample_pending
+from samebits.engine.sampler import Pending, SampleRequest, has_fused_line, sample_pending
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.model.attention import AttentionBatch
 from samebits.model.family import ModelFamily, Span
@@ -107,14 +107,15 @@ class ModelRunner:
         with self.profile.context():
             step = self.family.step_inputs(spans)  # {} for a plain token step (every decode step)
             size = self.graph_size(batch, step, ahead)
-            if size is not None:
+            if size is not None and not has_fused_line(reqs):  # a FusedLine row reads the hidden rows
                 return self.graphs.run(batch, size, reqs, self.family.positions(spans), ahead)
             hidden, sample_rows = self.forward(batch, spans, step, ahead)
             if not sample_rows:
                 return Pending.done([], self.device)
             rows = to_device(torch.tensor(sample_rows), hidden.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))  # [N, V]
-            return sample_pending(logits, reqs)
+            hidden = hidden.index_select(0, rows)  # [N, H]
+            logits = self.model.compute_logits(hidden)  # [N, V]
+            return sample_pending(logits, reqs, head=(hidden, self.model.lm_head.weight))
 
     def graph_size(self, batch: ScheduledBatch, step: dict, ahead: Ahead | None) -> int | None:
         """The captured size a step replays (`DecodeGraphs.size_for`), or None to run it eagerly:

@@ -10,8 +10,11 @@ computed on the logits' device by a counter-based hash: a request gets the same
 tokens alone, in any batch, and after preemption.
 
 A row whose params ask `logprobs=k` (k >= 1) also gets its k most likely tokens and
-their log-probs, read from the same log-softmax row as the sampled token's log-prob:
-its result is (token, log-prob, [(token, log-prob), ...]) instead of (token, log-prob).
+their log-probs: its result is (token, log-prob, [(token, log-prob), ...]) instead of
+(token, log-prob). The k tokens are ranked by the engine's row (the default line, on the
+truncated row in processed_logprobs, the logits in the logits modes); each one's value is
+the row's own formula at that id, computed in the same call as the sampled token's, so the
+sampled token's value and its top-k entry are the same bits (`_by_formula`).
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ import torch
 
 from samebits.model.host_copy import to_device
 from samebits.numerics import truncation
-from samebits.numerics.logprob_formulas import DEFAULT, token_logprobs
+from samebits.numerics.logprob_formulas import DEFAULT, Head, token_logprobs
 from samebits.numerics.ops import race, reported_logprobs, sample_plain
-from samebits.requests import SamplingParams
+from samebits.requests import FusedLine, SamplingParams
 
 _MASK64 = (1 << 63) - 1
 _M32 = 0xFFFFFFFF
@@ -124,24 +127,31 @@ def row_inputs(reqs: list[SampleRequest]) -> tuple[torch.Tensor, torch.Tensor, t
     return torch.from_numpy(temps), keys, torch.from_numpy(random_row)
 
 
-def sample_pending(logits: torch.Tensor, reqs: list[SampleRequest]) -> Pending:
+def has_fused_line(reqs: list[SampleRequest]) -> bool:
+    """Whether some row's log-prob is a `FusedLine` of the hidden states: its step samples
+    eagerly, where the runner has the hidden rows (`sample_pending`'s `head`)."""
+    return any(isinstance(r.params.logprob_formula, FusedLine) for r in reqs)
+
+
+def sample_pending(logits: torch.Tensor, reqs: list[SampleRequest], head: Head | None = None) -> Pending:
     """`sample`'s rows as a `Pending`: on CUDA every row is sampled by device ops (banned
     tokens, top-k/top-p and top log-probs included: the rules path is device ops too) and
     the host does not wait for them here (a step under async scheduling, engine/core.py); on
-    the CPU the results at once."""
-    tokens, chosen, tops, kept = _device_sample(logits, reqs)
+    the CPU the results at once. `head`: the rows' hidden states [N, H] and the LM head
+    weight [V, H] the logits were projected by, for `FusedLine` rows."""
+    tokens, chosen, tops, kept = _device_sample(logits, reqs, head)
     if logits.device.type != "cuda":
         return Pending.done(_results(tokens, chosen, tops, kept), logits.device)
     return Pending.copying(tokens, chosen, tops, **({} if kept is None else {"kept": kept}))
 
 
-def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> list[tuple]:
+def sample(logits: torch.Tensor, reqs: list[SampleRequest], head: Head | None = None) -> list[tuple]:
     """logits [N, V] -> (token, float32 log-prob) per row, plus the top alternatives for rows
     that ask `logprobs=k`; one host sync for the batch."""
-    return _results(*_device_sample(logits, reqs))
+    return _results(*_device_sample(logits, reqs, head))
 
 
-def _device_sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple:
+def _device_sample(logits: torch.Tensor, reqs: list[SampleRequest], head: Head | None = None) -> tuple:
     """-> tokens [N], their reported log-probs [N] and `Tops` (None when no row asks for top
     log-probs), all on the logits' device: the plain race (`sample_plain`) when no row has
     sampling rules, else the rules path over the log-softmax rows (bans, `narrow_rows`, the
@@ -173,29 +183,73 @@ def _device_sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple:
         if keep is not None:
             keep.index_copy_(0, at, kept & keep.index_select(0, at))
     tokens, chosen = race(lps, probs, scores, keys, random_row)
-    lined = [i for i, r in enumerate(reqs) if _other_line(r.params)]
-    if lined:  # the sampled tokens' log-probs by each row's own trainer line
-        at = to_device(torch.tensor(lined), logits.device)
-        picked = [reqs[i].params for i in lined]
-        chosen = chosen.index_copy(
-            0,
-            at,
-            token_logprobs(
-                logits.index_select(0, at),
-                tokens.index_select(0, at),
-                [q.temperature for q in picked],
-                [q.logprob_formula for q in picked],
-            ),
-        )
     chosen, values, kept_counts = _by_mode(logits, lps, keep, temps, tokens, chosen, reqs)
     asked = [(i, req.params.logprobs) for i, req in enumerate(reqs) if req.params.logprobs]
-    return tokens, chosen, Tops.of(values, asked) if asked else None, kept_counts
+    tops = Tops.of(values, asked) if asked else None
+    chosen, tops = _by_formula(logits, keep, tokens, chosen, tops, reqs, head)
+    return tokens, chosen, tops, kept_counts
+
+
+PROCESSED = "processed_logprobs"
+
+
+def _by_formula(logits, keep, tokens, chosen, tops, reqs, head=None) -> tuple:
+    """The values of the rows reported by a formula line other than the default's raw row (a
+    named or user formula in raw_logprobs; every processed_logprobs row): the sampled token's
+    and its top-k ids' (ranked by `_by_mode`'s rows), one `token_logprobs` call per group on
+    the logits (raw) or the truncated logits (processed) -> (chosen [N], Tops or None)."""
+    groups = (
+        [i for i, r in enumerate(reqs) if _mode(r.params) == RAW and _other_line(r.params)],
+        [i for i, r in enumerate(reqs) if _mode(r.params) == PROCESSED],
+    )
+    for processed, rows in enumerate(groups):
+        if not rows:
+            continue
+        at = to_device(torch.tensor(rows), logits.device)
+        src = logits.index_select(0, at)
+        if processed:
+            src = truncation.masked_logits(src, keep.index_select(0, at))
+        ids, put = _token_and_tops(tokens.index_select(0, at), tops, rows)
+        picked = [reqs[i].params for i in rows]
+        lines = [q.logprob_formula or DEFAULT for q in picked]
+        rows_head = None if head is None else (head[0].index_select(0, at), head[1])
+        got = token_logprobs(src, ids, [q.temperature for q in picked], lines, rows_head)  # [n, 1 + w]
+        chosen = chosen.index_copy(0, at, got[:, 0])
+        if put is not None:
+            into, frm = (to_device(t, logits.device) for t in put)
+            values = tops.logprobs.index_copy(0, into, got.reshape(-1).index_select(0, frm))
+            tops = tops._replace(logprobs=values)
+    return chosen, tops
+
+
+def _token_and_tops(tokens: torch.Tensor, tops: Tops | None, rows: list[int]) -> tuple:
+    """The ids to read rows' lines at: ids [n, 1 + w] (column 0 the sampled token, then the
+    row's top-k ids, the rest padded with the token), and (positions in `tops.logprobs`,
+    positions in the flat [n * (1 + w)] values) of the top-k entries, or None where no row of
+    `rows` has any. Index tensors are built on the host, the ids gathered on the device."""
+    at, offset = {}, 0  # row -> (its first entry in tops, its k)
+    for row, k in zip(*((tops.rows, tops.ks) if tops is not None else ((), ())), strict=True):
+        at[row], offset = (offset, k), offset + k
+    width = max((at[r][1] for r in rows if r in at), default=0)
+    if width == 0:
+        return tokens[:, None], None
+    n = len(rows)
+    index, into, frm = [], [], []
+    for i, row in enumerate(rows):
+        start, k = at.get(row, (0, 0))
+        index += [i] + [n + start + c if c < k else i for c in range(width)]
+        into += [start + c for c in range(k)]
+        frm += [i * (1 + width) + 1 + c for c in range(k)]
+    source = torch.cat([tokens, tops.ids])  # [n + sum k]
+    ids = source.index_select(0, to_device(torch.tensor(index), tokens.device)).view(n, 1 + width)
+    return ids, (torch.tensor(into), torch.tensor(frm))
 
 
 def _by_mode(logits, lps, keep, temps, tokens, chosen, reqs) -> tuple:
     """The reported values by each row's `logprobs_mode` (vLLM's names; docs/logprobs.md) ->
-    (the sampled tokens' values [N], the rows' full values [N, V] the top log-probs are read
-    from, Kept or None). raw_logprobs: `chosen` and `lps` as they are."""
+    (the sampled tokens' values [N], the rows' full values [N, V] the top log-probs are ranked
+    by, Kept or None). raw_logprobs: `chosen` and `lps` as they are; processed_logprobs: the
+    default line on the truncated row (the ranking; the values are `_by_formula`'s)."""
     modes = [_mode(r.params) for r in reqs]
     if all(m == RAW for m in modes):
         return chosen, lps, None
@@ -210,16 +264,13 @@ def _by_mode(logits, lps, keep, temps, tokens, chosen, reqs) -> tuple:
             full = rl.float()
         elif mode == "processed_logits":
             full = truncation.processed_logits_rows(rl, keep.index_select(0, at), temps.index_select(0, at))
-        else:  # the default line's rows for the top log-probs; the token's value by its formula
+        else:  # the default line on the truncated rows ranks the top log-probs (`_by_formula`)
             rk = keep.index_select(0, at)
             full = reported_logprobs(truncation.masked_logits(rl, rk), temps.index_select(0, at))
-            picked = [reqs[i].params for i in rows]
-            temps_, lines = [q.temperature for q in picked], [q.logprob_formula for q in picked]
-            token = truncation.processed_logprobs_of(rl, tokens.index_select(0, at), rk, temps_, lines)
-        if mode != "processed_logprobs":
-            token = full.gather(1, tokens.index_select(0, at)[:, None])[:, 0]
         values.index_copy_(0, at, full)
-        chosen = chosen.index_copy(0, at, token)
+        if mode != PROCESSED:
+            token = full.gather(1, tokens.index_select(0, at)[:, None])[:, 0]
+            chosen = chosen.index_copy(0, at, token)
     processed = [i for i, m in enumerate(modes) if m.startswith("processed")]
     counts = None
     if processed:

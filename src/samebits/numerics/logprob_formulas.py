@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from samebits.numerics.registry import pick
-from samebits.requests.sampling_params import LOGPROB_FORMULAS, logprob_formula_problem
+from samebits.requests.sampling_params import LOGPROB_FORMULAS, FusedLine, logprob_formula_problem
 
 Tensor = torch.Tensor
 RowFunction = Callable[[Tensor, Tensor, float], Tensor]  # (logits [n, V], ids [n], T) -> [n]
@@ -41,7 +41,13 @@ def _scalar_scale(x: Tensor, temps: Tensor) -> Tensor:
 
 
 def _at(values: Tensor, ids: Tensor) -> Tensor:
-    return values.gather(-1, ids[:, None]).squeeze(-1)
+    """values [n, V], ids [n, k] -> values at the ids [n, k] (a gather: exact)."""
+    return values.gather(-1, ids)
+
+
+# Every line below takes ids [n, k] (k tokens per row: the sampled one, then its top-k) and
+# returns [n, k]. Each is "reduce the row once, then read it at each id", so the value at an id
+# is the framework's value for that id whatever other ids share the call.
 
 
 def log_softmax(logits: Tensor, ids: Tensor, temps: Tensor) -> Tensor:
@@ -52,13 +58,15 @@ def log_softmax(logits: Tensor, ids: Tensor, temps: Tensor) -> Tensor:
 def logsumexp(logits: Tensor, ids: Tensor, temps: Tensor) -> Tensor:
     """`z = logits.float() / T; z[id] - torch.logsumexp(z, -1)` (unsloth's fp32 line)."""
     z = _scalar_scale(logits.float(), temps)
-    return _at(z, ids) - torch.logsumexp(z, -1)
+    return _at(z, ids) - torch.logsumexp(z, -1, keepdim=True)
 
 
 def cross_entropy(logits: Tensor, ids: Tensor, temps: Tensor) -> Tensor:
-    """`-F.cross_entropy(logits.float() / T, ids, reduction="none")`. aten decomposes it into
-    log_softmax and nll_loss (a gather), so its bits are `log_softmax`'s."""
-    return -F.cross_entropy(_scalar_scale(logits.float(), temps), ids, reduction="none")
+    """`-F.cross_entropy(logits.float() / T, ids, reduction="none")`, called once per column of
+    ids as a trainer calls it. aten decomposes it into log_softmax and nll_loss (a gather), so
+    its bits are `log_softmax`'s."""
+    z = _scalar_scale(logits.float(), temps)
+    return torch.stack([-F.cross_entropy(z, col, reduction="none") for col in ids.unbind(1)], 1)
 
 
 def _selective(scaled: Tensor, ids: Tensor) -> Tensor:
@@ -66,7 +74,7 @@ def _selective(scaled: Tensor, ids: Tensor) -> Tensor:
     on already scaled logits: fp32/fp64 `gather - logsumexp`, else `log_softmax` in the
     logits' dtype (bf16 result, widened)."""
     if scaled.dtype in (torch.float32, torch.float64):
-        return (_at(scaled, ids) - torch.logsumexp(scaled, -1)).float()
+        return (_at(scaled, ids) - torch.logsumexp(scaled, -1, keepdim=True)).float()
     return _at(F.log_softmax(scaled, -1), ids).float()
 
 
@@ -91,7 +99,7 @@ def verl(logits: Tensor, ids: Tensor, temps: Tensor) -> Tensor:
     t = temps.clamp(min=1e-8).to(logits.dtype)[:, None]
     scaled = torch.where((temps == 1.0)[:, None], logits, logits / t)
     if _flash_ce() is not None and logits.device.type == "cuda":
-        return -_flash_ce()(scaled, ids)[0].float()
+        return torch.stack([-_flash_ce()(scaled, col)[0].float() for col in ids.unbind(1)], 1)
     return _selective(scaled, ids)
 
 
@@ -109,7 +117,7 @@ def trl(logits: Tensor, ids: Tensor, temps: Tensor) -> Tensor:
     n, vocab = logits.shape
     running_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=logits.device)
     sum_exp = torch.zeros((n,), dtype=torch.float32, device=logits.device)
-    target = torch.zeros((n,), dtype=torch.float32, device=logits.device)
+    target = torch.zeros(ids.shape, dtype=torch.float32, device=logits.device)  # [n, k]
     for start in range(0, vocab, TRL_VOCAB_TILE):
         end = min(start + TRL_VOCAB_TILE, vocab)
         z = logits[:, start:end].float() * 1.0 * inv_t[:, None]  # [n, w]
@@ -123,17 +131,20 @@ def trl(logits: Tensor, ids: Tensor, temps: Tensor) -> Tensor:
         local = ids - start
         inside = (local >= 0) & (local < end - start)
         target = torch.where(inside, _at(z, local.clamp(0, end - start - 1)), target)
-    return target - (running_max + torch.log(sum_exp))
+    return target - (running_max + torch.log(sum_exp))[:, None]
 
 
 def _by_temperature(fn: RowFunction, logits: Tensor, ids: Tensor, temps: Tensor) -> Tensor:
-    """fn(rows, ids, T) per distinct temperature T (a Python float): for lines whose kernel
-    takes one scalar temperature per call."""
+    """fn(rows, ids [n], T) per distinct temperature T (a Python float) and per column of ids
+    [n, k]: for lines whose kernel takes one scalar temperature and one id per row per call
+    (TRL's Triton kernels, flash-attn's, a user's row function): k calls, each the framework's
+    own for that column."""
     out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
     values = temps.tolist()
     for t in sorted(set(values)):
         rows = torch.tensor([i for i, v in enumerate(values) if v == t], device=logits.device)
-        out[rows] = fn(logits[rows], ids[rows], float(t)).float()
+        for j in range(ids.shape[1]):
+            out[rows, j] = fn(logits[rows], ids[rows, j], float(t)).float()
     return out
 
 
@@ -190,26 +201,59 @@ def _flash_ce():
     return cross_entropy_loss
 
 
-LINES: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
-    "log_softmax": log_softmax,
-    "trl": trl,
-    "trl_selective": trl_selective,
-    "verl": verl,
-    "logsumexp": logsumexp,
-    "cross_entropy": cross_entropy,
+Line = Callable[[Tensor, Tensor, Tensor], Tensor]  # (logits [n, V], ids [n] or [n, k], temps [n])
+
+
+def _ids_of_any_rank(line: Line) -> Line:
+    """A line over ids [n, k] that also takes ids [n] (-> [n])."""
+
+    def either(logits: Tensor, ids: Tensor, temps: Tensor) -> Tensor:
+        return line(logits, ids[:, None], temps)[:, 0] if ids.ndim == 1 else line(logits, ids, temps)
+
+    either.__name__ = either.__qualname__ = line.__name__
+    either.__doc__ = line.__doc__
+    return either
+
+
+LINES: dict[str, Line] = {
+    name: _ids_of_any_rank(line)
+    for name, line in {
+        "log_softmax": log_softmax,
+        "trl": trl,
+        "trl_selective": trl_selective,
+        "verl": verl,
+        "logsumexp": logsumexp,
+        "cross_entropy": cross_entropy,
+    }.items()
 }
 
 
+Head = tuple[Tensor, Tensor]  # (final hidden states [N, H], LM head weight [V, H]): a FusedLine's inputs
+
+
 def token_logprobs(
-    logits: Tensor, ids: Tensor, temperatures: Sequence[float], formulas: Sequence[str | RowFunction]
+    logits: Tensor,
+    ids: Tensor,
+    temperatures: Sequence[float],
+    formulas: Sequence[str | RowFunction | FusedLine],
+    head: Head | None = None,
 ) -> Tensor:
-    """logits [N, V] (the model's dtype), ids [N], each row's temperature (a Python float; 0,
-    greedy, reads as 1) and formula -> float32 log-probs [N], each row by its own line."""
+    """logits [N, V] (the model's dtype), ids [N] or [N, k], each row's temperature (a Python
+    float; 0, greedy, reads as 1) and formula -> float32 log-probs of ids' shape, each row by its
+    own line. With ids [N, k] (a row's sampled token and its top-k ids) the row's line is
+    reduced once and read at each id: the value at an id is the line's for that id alone.
+    `head`: the rows' hidden states and the LM head, which a `FusedLine` row is computed from
+    (the logits are the head's projection of the hidden states)."""
+    if ids.ndim == 1:
+        return token_logprobs(logits, ids[:, None], temperatures, formulas, head)[:, 0]
     temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=torch.float32)
     temps = temps.to(logits.device)
     out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
     for formula in dict.fromkeys(formulas):  # each distinct formula once, in order of first use
         rows = torch.tensor([i for i, f in enumerate(formulas) if f == formula], device=logits.device)
+        if isinstance(formula, FusedLine):
+            out[rows] = _fused_line(formula, head)(logits[rows], ids[rows], temps[rows], rows)
+            continue
         line = LINES[formula] if isinstance(formula, str) else _user_line(formula)
         out[rows] = line(logits[rows], ids[rows], temps[rows])
     return out
@@ -217,6 +261,23 @@ def token_logprobs(
 
 def _user_line(fn: RowFunction) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     return lambda logits, ids, temps: _by_temperature(fn, logits, ids, temps)
+
+
+def _fused_line(line: FusedLine, head: Head | None) -> Callable:
+    """A FusedLine as a line over the rows `rows` of `head`'s hidden states: fn(hidden rows,
+    weight, ids [n], T) per temperature and per column of ids."""
+    if head is None:
+        raise ValueError(
+            f"logprob_formula FusedLine({line.name}) is computed from the hidden states and the LM "
+            "head, and this call was given logits only (pass head=(hidden, lm_head_weight))"
+        )
+    hidden, weight = head
+
+    def fused(logits: Tensor, ids: Tensor, temps: Tensor, rows: Tensor) -> Tensor:
+        fn = lambda h, i, t: line.fn(h, weight, i, t)  # noqa: E731 - a row function of the hidden rows
+        return _by_temperature(fn, hidden.index_select(0, rows.to(hidden.device)), ids, temps)
+
+    return fused
 
 
 def check_row_invariant(fn: RowFunction, vocab: int, dtype: torch.dtype, device: str = "cpu") -> None:
@@ -236,4 +297,25 @@ def check_row_invariant(fn: RowFunction, vocab: int, dtype: torch.dtype, device:
                 raise ValueError(
                     f"logprob_formula {name} is not row-invariant: a batch of 5 rows and the rows "
                     f"one at a time differ at temperature {t} under batch_invariant()"
+                )
+
+
+def check_fused_row_invariant(line: FusedLine, weight: Tensor) -> None:
+    """Refuse a user's fused line (`logprob_formula=FusedLine(fn)`) unless a batch of 5 rows of
+    hidden states and each row alone give the same bits under batch_invariant(), at two
+    temperatures, with the engine's own LM head `weight` [V, H] (its dtype and device)."""
+    from samebits.numerics.batch_invariant import batch_invariant
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, weight.shape[1], generator=g).to(weight.dtype).to(weight.device)
+    ids = torch.randint(0, weight.shape[0], (5,), generator=g).to(weight.device)
+    with batch_invariant(), torch.no_grad():
+        for t in (1.0, 0.7):
+            whole = line.fn(hidden, weight, ids, t).float()
+            alone = [line.fn(hidden[i : i + 1], weight, ids[i : i + 1], t).float().reshape(1) for i in range(5)]
+            if whole.shape != ids.shape or not torch.equal(whole, torch.cat(alone)):
+                raise ValueError(
+                    f"logprob_formula FusedLine({line.name}) is not row-invariant: a batch of 5 rows "
+                    f"of hidden states and the rows one at a time differ at temperature {t} under "
+                    "batch_invariant()"
                 )

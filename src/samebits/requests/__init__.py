@@ -2,6 +2,6 @@
 samebits module, so the engine, the model families and the trainer can all read it."""
 
 from samebits.requests.prompts import MultimodalPrompt, as_multimodal
-from samebits.requests.sampling_params import SamplingParams
+from samebits.requests.sampling_params import FusedLine, SamplingParams
 
-__all__ = ["MultimodalPrompt", "SamplingParams", "as_multimodal"]
+__all__ = ["FusedLine", "MultimodalPrompt", "SamplingParams", "as_multimodal"]

@@ -25,12 +25,14 @@ class SamplingParams:
     with `seed` itself), so the n samples differ and a replay gives the same n.
     `stop` strings end a sample when its detokenized text contains one (trimmed from the
     text, finish_reason "stop"; the token ids keep every sampled token). `logprobs=k` also
-    reports the k most likely tokens of the same log-softmax row the sampled token's
-    log-prob is read from. `detokenize` produces `text` (needs a tokenizer).
+    reports the k most likely tokens (ranked by the default log-softmax row), each valued by
+    the row's `logprob_formula` and `logprobs_mode` as the sampled token is. `detokenize`
+    produces `text` (needs a tokenizer).
 
     `logprob_formula`: which trainer's line the sampled token's log-prob is reported by (a
-    name in `LOGPROB_FORMULAS`, computed in `numerics.logprob_formulas`, docs/logprobs.md; or a
-    row function); None
+    name in `LOGPROB_FORMULAS`, computed in `numerics.logprob_formulas`, docs/logprobs.md; a
+    row function of the logits; or a `FusedLine`, a row function of the hidden states and the
+    LM head); None
     takes the engine's (`LLM(..., logprob_formula=)`, default "log_softmax", the line above).
 
     `logprobs_mode`: what is reported per token, vLLM's names (`LOGPROBS_MODES`,
@@ -51,7 +53,7 @@ class SamplingParams:
     stop: tuple[str, ...] | None = None
     logprobs: int | None = None
     detokenize: bool = True
-    logprob_formula: str | Callable | None = None
+    logprob_formula: str | Callable | FusedLine | None = None
     logprobs_mode: str | None = None
 
     def __post_init__(self) -> None:
@@ -121,11 +123,33 @@ MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 LOGPROB_FORMULAS = ("log_softmax", "trl", "trl_selective", "verl", "logsumexp", "cross_entropy")
 
 
+@dataclass(frozen=True)
+class FusedLine:
+    """A user's fused log-prob line, for trainers that compute log-probs from the final hidden
+    states and the LM head rather than from logits (TRL's fused head, a fused linear
+    cross-entropy): `fn(hidden [n, H], lm_head_weight [V, H], ids [n], temperature: float) ->
+    log-probs [n]`, hidden and weight in the model's dtype, ids int64. Given as
+    `logprob_formula=FusedLine(fn)` (engine-wide or per request); the engine calls `fn` on its
+    own final hidden states and LM head (docs/logprobs.md), after checking at construction that
+    it is row-invariant (`numerics.logprob_formulas.check_fused_row_invariant`)."""
+
+    fn: Callable
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise ValueError(f"FusedLine takes fn(hidden, lm_head_weight, ids, temperature), got {self.fn!r}")
+
+    @property
+    def name(self) -> str:
+        return getattr(self.fn, "__qualname__", repr(self.fn))
+
+
 def logprob_formula_problem(formula: object) -> str | None:
-    """The problem with `formula` as a message, or None: a name in LOGPROB_FORMULAS or a callable."""
-    if callable(formula) or formula in LOGPROB_FORMULAS:
+    """The problem with `formula` as a message, or None: a name in LOGPROB_FORMULAS, a callable
+    or a FusedLine."""
+    if callable(formula) or isinstance(formula, FusedLine) or formula in LOGPROB_FORMULAS:
         return None
-    return f"logprob_formula must be one of {LOGPROB_FORMULAS} or a callable, got {formula!r}"
+    return f"logprob_formula must be one of {LOGPROB_FORMULAS}, a callable or a FusedLine, got {formula!r}"
 
 
 # what is reported per token, vLLM's `logprobs_mode` names (docs/logprobs.md)
@@ -142,7 +166,7 @@ def logprobs_mode_problem(mode: object, formula: object = None) -> str | None:
             f"logprob_formula is {formula!r}: leave logprob_formula at 'log_softmax' (or None), or "
             "use raw_logprobs / processed_logprobs"
         )
-    if mode == "processed_logprobs" and callable(formula):
+    if mode == "processed_logprobs" and (callable(formula) or isinstance(formula, FusedLine)):
         return (
             "logprobs_mode='processed_logprobs' with a row-function logprob_formula is not supported "
             "(a row function is checked on untruncated rows only): use a named formula, or raw_logprobs"
