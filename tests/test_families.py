@@ -4,13 +4,17 @@
 from __future__ import annotations
 
 import ast
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from samebits import LLM, SamplingParams, batch_invariant, trainer
-from samebits.model.families import family_for
+from samebits.model import families
+from samebits.model.config_files import UnsupportedCheckpointError
+from samebits.model.families import check_checkpoint_config, family_for
 from samebits.model.qwen3_moe.family import Qwen3MoeFamily
 from samebits.model.qwen3_omni.family import Qwen3OmniFamily
 from samebits.model.qwen3_omni.tiny import audio_part, build_tiny_omni_checkpoint, image_part, make_prompt
@@ -85,6 +89,74 @@ def test_family_for_checkpoints_and_transformers_configs(omni, tiny):
     assert family_for(omni) is Qwen3OmniFamily and family_for(tiny) is Qwen3MoeFamily
     assert family_for(AutoConfig.from_pretrained(omni)) is Qwen3OmniFamily
     assert family_for(AutoConfig.from_pretrained(tiny)) is Qwen3MoeFamily
+
+
+class _PlantedFamily(Qwen3MoeFamily):
+    """A family known only to the registry: its configs carry model_type "planted"."""
+
+    @classmethod
+    def matches(cls, config: dict) -> bool:
+        return config.get("model_type") == "planted"
+
+    @classmethod
+    def read_config(cls, path):
+        return ("planted", Path(path).name)
+
+
+def test_check_checkpoint_config_asks_the_registry(tiny, tmp_path, monkeypatch):
+    planted = tmp_path / "planted"
+    shutil.copytree(tiny, planted)
+    cfg = planted / "config.json"
+    cfg.write_text(json.dumps(json.loads(cfg.read_text()) | {"model_type": "planted"}))
+    with pytest.raises(UnsupportedCheckpointError, match="model_type 'planted'"):  # control: unknown
+        check_checkpoint_config(planted)
+    monkeypatch.setattr(families, "FAMILIES", (_PlantedFamily, *families.FAMILIES))
+    assert check_checkpoint_config(planted) == ("planted", "planted")  # one registry line, no other
+    assert check_checkpoint_config(tiny) == Qwen3MoeFamily.read_config(tiny)
+
+
+def _registry_bypasses(src: Path) -> list[str]:
+    """Files that know a family outside the registry: any module but `model/families.py` and the
+    family's own folder importing its `family` module, and `families.py` importing from a family
+    folder anything but the family class itself (a config class or a helper of one family)."""
+    folders = {p.parent.name for p in (src / "model").glob("*/family.py")}
+    found = []
+    for f in src.rglob("*.py"):
+        rel = f.relative_to(src)
+        own = rel.parts[0] == "model" and len(rel.parts) > 2 and rel.parts[1]
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not node.module:
+                continue
+            parts = node.module.split(".")
+            if parts[:2] != ["samebits", "model"] or len(parts) < 3 or parts[2] not in folders:
+                continue
+            if parts[2] == own:
+                continue
+            if rel == Path("model/families.py"):
+                if parts[3:] != ["family"] or not all(a.name.endswith("Family") for a in node.names):
+                    found.append(f"{rel}: {node.module}")
+            elif parts[3:] == ["family"]:
+                found.append(f"{rel}: {node.module}")
+    return sorted(found)
+
+
+def test_only_the_registry_knows_the_families():
+    assert _registry_bypasses(SRC) == []
+
+
+def test_a_family_named_outside_the_registry_is_caught(tmp_path):
+    src = tmp_path / "samebits"
+    (src / "model" / "fam").mkdir(parents=True)
+    (src / "model" / "fam" / "family.py").write_text("from samebits.model.fam.config import C\n")
+    (src / "model" / "families.py").write_text(
+        "from samebits.model.fam.family import FamFamily\nfrom samebits.model.fam.config import C\n"
+    )
+    (src / "engine").mkdir()
+    (src / "engine" / "core.py").write_text("from samebits.model.fam.family import FamFamily\n")
+    assert _registry_bypasses(src) == [
+        "engine/core.py: samebits.model.fam.family",
+        "model/families.py: samebits.model.fam.config",
+    ]
 
 
 def _samebits_imports(path: Path) -> set[str]:

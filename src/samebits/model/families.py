@@ -7,9 +7,7 @@ from pathlib import Path
 
 from samebits.model.config_files import read_config_json
 from samebits.model.family import ModelFamily
-from samebits.model.qwen3_moe.config import ModelConfig
 from samebits.model.qwen3_moe.family import Qwen3MoeFamily
-from samebits.model.qwen3_omni.config import OmniConfig, omni_model_type
 from samebits.model.qwen3_omni.family import Qwen3OmniFamily
 
 FAMILIES: tuple[type, ...] = (Qwen3OmniFamily, Qwen3MoeFamily)
@@ -36,11 +34,9 @@ def check_checkpoint_config(path: str | Path):
     """Validate a checkpoint's `config.json` and `generation_config.json` exactly as the engine
     does, before any work: the one check `LLM` and `trainer.load_hf_model` share.
 
-    Returns the validated `ModelConfig` (Qwen3-MoE) or `OmniConfig` (Qwen3-Omni); raises
-    UnsupportedCheckpointError naming the file and field (a missing or unreadable file, bad
-    JSON, a missing or impossible field, an unsupported model type, rope or quantisation).
+    Returns the config its family validates (`family_for(path).read_config`: `ModelConfig` for
+    Qwen3-MoE, `OmniConfig` for Qwen3-Omni); raises UnsupportedCheckpointError naming the file
+    and field (a missing or unreadable file, bad JSON, a missing or impossible field, an
+    unsupported model type, rope or quantisation).
     """
-    raw = read_config_json(path)
-    if omni_model_type(raw) is not None:
-        return OmniConfig.from_pretrained(path)
-    return ModelConfig.from_pretrained(path)
+    return family_for(path).read_config(path)

@@ -7,6 +7,8 @@ picks one from a checkpoint's config.
 
 Engine side (one family object per loaded model):
 
+    read_config(path)          the checkpoint's validated config (the family's own class);
+                               UnsupportedCheckpointError naming the file and field
     load(path, dtype, device, weights)  -> the family, holding `model` and `config`
     prepare(i, prompt, ids)    request i's per-request state (None for text models);
                                ValueError "request {i}: ..." naming the field
@@ -55,6 +57,9 @@ class ModelFamily(Protocol):
 
     @classmethod
     def matches(cls, config: dict) -> bool: ...
+
+    @classmethod
+    def read_config(cls, path: Path) -> Any: ...
 
     @classmethod
     def load(

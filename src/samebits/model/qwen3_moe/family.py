@@ -30,6 +30,10 @@ class Qwen3MoeFamily:
         )
 
     @classmethod
+    def read_config(cls, path) -> ModelConfig:
+        return ModelConfig.from_pretrained(path)
+
+    @classmethod
     def load(cls, path, *, dtype, device, weights=None) -> Qwen3MoeFamily:
         """From a checkpoint directory; `weights`: (HF name, tensor) pairs shared, not copied."""
         if weights is not None:

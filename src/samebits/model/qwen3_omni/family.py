@@ -64,6 +64,10 @@ class Qwen3OmniFamily:
         return omni_architecture(config) is not None
 
     @classmethod
+    def read_config(cls, path) -> OmniConfig:
+        return OmniConfig.from_pretrained(path)  # the whole Omni config; `config` is its `.text`
+
+    @classmethod
     def load(cls, path, *, dtype, device, weights=None) -> Qwen3OmniFamily:
         """From a checkpoint directory; `weights`: (thinker name, tensor) pairs shared, not copied."""
         if weights is not None:
