@@ -203,8 +203,9 @@ def test_the_op_passes_opcheck_and_trains_through_the_packed_path():
 @pytest.mark.gpu
 def test_cuda_op_gives_the_launchers_bits_and_the_trainers_rows():
     """One engine batch (a decode, a chunk over cached keys, a fresh prefill; scrambled pages)
-    through the op equals the Triton launcher called with the fields the runner used to build,
-    and every row equals the trainer's packed forward over the whole sequences."""
+    through the op equals the Triton launcher called with the batch's own fields (query starts,
+    lengths, context lengths, block tables), and every row equals the trainer's packed forward
+    over the whole sequences."""
     from samebits.kernels.attention_triton import attention as launcher
 
     h, kvh, d, bs, dev = 32, 4, 128, 16, "cuda"

@@ -2,7 +2,7 @@
 lax request values and weight updates are refused with the field named (issue 17).
 
 Each test is a reproducer: the broken input as a user would make it, the loader or call
-that used to accept it silently (or fail opaquely), and the message it must now give.
+that must refuse it (rather than accept it silently or fail opaquely), and the message it gives.
 """
 
 from __future__ import annotations

@@ -22,12 +22,13 @@ H 2048, I 768), the whole layer's gate_up + down (H200, 2026-12-04, `experts_con
 
     tiles                       T=256  T=1024  T=2048  T=4096  T=8192
     (64, 64, 4, 3)                329     645    1077    1937    3709  <- 1024 <= N < 8192
-    (128, 128, 8, 3)              434     583     865    1402    2497     (the table until then)
+    (128, 128, 8, 3)              434     583     865    1402    2497     (rows walked per program)
     (128, 128, 8, 3) grid         440     586     788    1205    2066
     (128, 128, 8, 4) grid         401     559     724    1113    1959  <- N >= 8192 (prefill)
 
-The last is 0.78-0.79x the old large entry at T >= 4096: 6.2 x 10^11 FLOP in 1,959 us at
-T = 8192, 316 TFLOP/s, a third of the tensor peak. Every entry gave the default's bits.
+The last is 0.78-0.79x (128, 128, 8, 3) with rows walked per program at T >= 4096: 6.2 x 10^11
+FLOP in 1,959 us at T = 8192, 316 TFLOP/s, a third of the tensor peak. Every entry gave the
+default's bits.
 
 The decode entry, from `benchmarks/experts_decode.py` (H200, 2026-12-04; the
 whole `experts_forward` in a CUDA graph over 8 layers of distinct weights, us a layer; every
@@ -35,7 +36,7 @@ configuration gave the table's bits):
 
     tiles, rows in grid         T=1    T=4   T=16   T=64  T=256
     floor (touched experts)    17.6   63.7  191.0  276.6  281.0
-    (64, 64, 4, 3) walked      44.7   80.0  216.9  310.9  334.4   (the table until then)
+    (64, 64, 4, 3) walked      44.7   80.0  216.9  310.9  334.4   (rows walked per program)
     (16, 32, 2, 6) grid        29.3   79.6  205.4  296.1  355.4   <- N < 1024 (T < 128)
     (32, 64, 4, 4) grid        33.7   81.4  215.4  310.0  333.2
 
