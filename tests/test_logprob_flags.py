@@ -20,10 +20,11 @@ import torch
 from serve_server import Server
 
 from samebits import batch_invariant, rl, trainer
-from samebits.cli import _rl_config, build_parser
+from samebits.cli import build_parser
 from samebits.model.tiny_tokenizer import add_tiny_tokenizer
 from samebits.numerics import logprob_formulas as lf
 from samebits.requests.sampling_params import LOGPROB_FORMULAS
+from samebits.rl.cli import config_from_args
 from samebits.rl.loop import RLLoop
 
 T = 1.3  # not a bf16 value: verl's divisor is rounded, its log-softmax is bf16
@@ -45,8 +46,8 @@ def test_flag_offers_every_formula_and_defaults_to_log_softmax(command, capsys):
 
 def test_rl_flag_reaches_the_config():
     args = build_parser().parse_args(["rl", "--logprob-formula", "trl"])
-    assert _rl_config(args).logprob_formula == "trl"
-    assert _rl_config(build_parser().parse_args(["rl"])).logprob_formula == "log_softmax"
+    assert config_from_args(args).logprob_formula == "trl"
+    assert config_from_args(build_parser().parse_args(["rl"])).logprob_formula == "log_softmax"
 
 
 def _hf_rows(model, prompt: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,8 +11,6 @@ from samebits.cli_checks import refuse
 from samebits.rl import cli as rl_cli
 from samebits.serve import cli as serve_cli
 
-_rl_config = rl_cli.config_from_args  # the name tests/test_logprob_flags.py imports
-
 
 def _verify(args) -> int:
     from samebits import verify
