@@ -28,6 +28,7 @@ from samebits.client import Client
 
 REQUESTS, CLIENTS = 512, 32
 PUSH_EVERY = 24  # answers between two weight updates: about 20 versions over the soak
+ABORT_EVERY = 3  # every 3rd update aborts the requests in flight instead of waiting for them
 TEMPS = (0.7, 1.0, 1.3)
 RSS_GROWTH_LIMIT_KIB = 64 * 1024  # the second half of the soak may not grow the server by more
 WAIT = 120  # seconds: the bound on every HTTP wait
@@ -61,12 +62,12 @@ def _request(url: str, i: int) -> dict:
     with httpx.Client(timeout=WAIT) as h:
         if not body["stream"]:
             r = h.post(f"{url}/generate", json=body)
-            ok = r.status_code == 200
-            return {"i": i, "status": r.status_code, "answer": r.json() if ok else None, "error": r.text[:300]}
+            answer = r.json() if r.status_code == 200 else None
+            return {"i": i, "status": r.status_code, "answer": answer, "error": r.text[:300]}
         with h.stream("POST", f"{url}/generate", json=body) as r:
             events = [x[6:] for x in r.iter_lines() if x.startswith("data: ")]
-        ok = r.status_code == 200 and events[-1] == "[DONE]"
-        return {"i": i, "status": r.status_code, "answer": json.loads(events[-2]) if ok else None, "error": events}
+    answer = json.loads(events[-2]) if r.status_code == 200 and events[-1] == "[DONE]" else None
+    return {"i": i, "status": r.status_code, "answer": answer, "error": events[-2:]}
 
 
 class _Pusher(threading.Thread):
@@ -97,7 +98,8 @@ class _Pusher(threading.Thread):
                     if self.stopped:
                         return
                 k = self.pushed + 1
-                self.client.update_weights_from_tensor(_version(self.base, k).items(), weight_version=f"v{k}")
+                named, abort = _version(self.base, k).items(), k % ABORT_EVERY == 0
+                self.client.update_weights_from_tensor(named, abort_all_requests=abort, weight_version=f"v{k}")
                 self.pushed = k
         except BaseException as e:  # noqa: BLE001 - the test re-raises it
             self.error = e
@@ -154,22 +156,27 @@ def test_soak_512_requests_under_weight_updates_equal_their_versions_replay(serv
     assert lost == 0 and not refused, (counts, [r for r in results if r not in answered][:3])
 
     by_version: dict[str, list[tuple[int, dict]]] = {}
+    aborted = 0
     for r in answered:
-        a = r["answer"]
-        assert a["meta_info"]["finish_reason"]["type"] == "length"
-        assert len(a["output_ids"]) == _body(r["i"])["sampling_params"]["max_new_tokens"]
+        a, n = r["answer"], _body(r["i"])["sampling_params"]["max_new_tokens"]
+        reason = a["meta_info"]["finish_reason"]["type"]
+        assert reason in ("length", "abort"), reason
+        assert len(a["output_ids"]) == n if reason == "length" else len(a["output_ids"]) < n
+        aborted += reason == "abort"
         by_version.setdefault(a["meta_info"]["weight_version"], []).append((r["i"], a))
     pushed = {"default": 0} | {f"v{k}": k for k in range(1, pusher.pushed + 1)}
     assert set(by_version) <= set(pushed), sorted(by_version)
     assert len(by_version) >= 10, sorted(by_version)  # the soak did mix updates with requests
-    print(f"\n{counts}; {pusher.pushed} weight updates, {len(by_version)} versions answered")
+    assert aborted > 0  # and some updates did abort requests in flight
+    print(f"\n{counts} ({aborted} aborted by an update); {pusher.pushed} updates, {len(by_version)} versions")
 
     for version, answers in by_version.items():
         k = pushed[version]
         want = _replay(model, _version(base, k), answers)
         for (i, a), lp in zip(answers, want, strict=True):
             assert torch.equal(_logprobs(a), lp), (i, version)
-        # control: the next version's weights give other log-probs for every request
+        # control: the next version's weights give other log-probs for every request with a token
+        answers = [(i, a) for i, a in answers if a["output_ids"]]
         wrong = _replay(model, _version(base, k + 1), answers)
         assert not any(torch.equal(_logprobs(a), lp) for (_, a), lp in zip(answers, wrong, strict=True))
 

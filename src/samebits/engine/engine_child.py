@@ -174,7 +174,11 @@ class _Loop:
         in_flight = len(self.sent)
         self.calls.append((call_id, method, kwargs | {"_waited": in_flight}))
         if kwargs.get("abort_all_requests"):
-            return [r for r in list(self.sent) if self.core.abort(r)]
+            # published now, under the version their tokens came from: the call may run as soon
+            # as the loop looks again, and what it then publishes carries the new version
+            aborted = [r for r in list(self.sent) if self.core.abort(r)]
+            if aborted:
+                self._publish(aborted)
         return []
 
     def _run_calls_if_idle(self) -> list[str]:
