@@ -4,7 +4,7 @@ The claims: concurrent requests through the process give `LLM.generate`'s tokens
 float32 log-probs bit for bit (the transport carries float32 -> Python float -> float32,
 which is exact; the control shows a lossy transport would be caught); a child that dies
 ends every stream with EngineDeadError; a child that cannot build its model raises its
-error in the parent.
+error in the parent; requests an update aborts are sent under the version they ran on.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ Calls (`EngineProcess.call`) are the weight and memory operations of `weights.re
 and `LLM`. Those in `WAIT_IDLE` change what a step computes, so they run only when no
 request is in flight: requests already running finish on the old weights, requests that
 arrive meanwhile are held and start after the call (SGLang's order); with
-`abort_all_requests` the running ones are aborted instead (finish reason "abort").
+`abort_all_requests` the running ones are aborted instead (finish reason "abort"), their last
+update sent before the call runs, so it carries the `weight_version` their tokens came from.
 Their checks that need no data run at once (`PRECHECK`), so a bad update answers at once.
 """
 
