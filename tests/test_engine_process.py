@@ -4,7 +4,7 @@ The claims: concurrent requests through the process give `LLM.generate`'s tokens
 float32 log-probs bit for bit (the transport carries float32 -> Python float -> float32,
 which is exact; the control shows a lossy transport would be caught); a child that dies
 ends every stream with EngineDeadError; a child that cannot build its model raises its
-error in the parent.
+error in the parent; requests an update aborts are sent under the version they ran on.
 """
 
 from __future__ import annotations
@@ -126,3 +126,32 @@ def test_a_request_held_behind_a_weight_change_can_be_aborted(tiny):
     assert kind == "step" and updates == [("held", [([], [], None, "", "abort")] * 2, 0, None)]
     loop._run_calls_if_idle()  # the change runs, then what was held
     assert llm.core.request_ids() == ["kept"] and pipe.sent[-1][:3] == ("result", 0, True)
+
+
+def test_requests_an_update_aborts_carry_the_version_they_ran_on(tiny):
+    """`abort_all_requests`: the aborted requests' last update is sent before the update runs,
+    so it carries the old `weight_version` (their tokens' weights), and the update's answer
+    comes after it. Sent later, it would name the new version (tests/test_serve_weight_soak.py
+    replays such requests on the version they name)."""
+    from samebits.engine.engine_child import _Loop
+
+    class Pipe:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, message):
+            self.sent.append(message)
+
+    llm = LLM(tiny, max_num_seqs=2, max_model_len=64)
+    pipe = Pipe()
+    loop = _Loop(pipe, llm)
+    loop._handle(("add", "r", [3, 4, 5], SamplingParams(max_tokens=20, seed=1, ignore_eos=True)))
+    loop._publish(loop._step() + loop._step())
+    assert loop._handle(("call", 0, "flush_cache", {"abort_all_requests": True, "weight_version": "v1"})) == []
+    loop._run_calls_if_idle()
+    (kind, updates, stats), result = pipe.sent[-2:]
+    assert kind == "step" and stats["weight_version"] == "default"
+    [(rid, [(ids, _, _, _, finish)], _, _)] = updates
+    assert rid == "r" and finish == "abort" and ids == []  # its 2 tokens went out in the first update
+    assert result[:3] == ("result", 0, True) and "1 requests in flight were aborted" in result[3]
+    assert loop.weight_version == "v1" and not loop.sent

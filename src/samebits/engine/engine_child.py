@@ -11,7 +11,8 @@ Calls (`EngineProcess.call`) are the weight and memory operations of `weights.re
 and `LLM`. Those in `WAIT_IDLE` change what a step computes, so they run only when no
 request is in flight: requests already running finish on the old weights, requests that
 arrive meanwhile are held and start after the call (SGLang's order); with
-`abort_all_requests` the running ones are aborted instead (finish reason "abort").
+`abort_all_requests` the running ones are aborted instead (finish reason "abort"), their last
+update sent before the call runs, so it carries the `weight_version` their tokens came from.
 Their checks that need no data run at once (`PRECHECK`), so a bad update answers at once.
 """
 
@@ -174,7 +175,11 @@ class _Loop:
         in_flight = len(self.sent)
         self.calls.append((call_id, method, kwargs | {"_waited": in_flight}))
         if kwargs.get("abort_all_requests"):
-            return [r for r in list(self.sent) if self.core.abort(r)]
+            # published now, under the version their tokens came from: the call may run as soon
+            # as the loop looks again, and what it then publishes carries the new version
+            aborted = [r for r in list(self.sent) if self.core.abort(r)]
+            if aborted:
+                self._publish(aborted)
         return []
 
     def _run_calls_if_idle(self) -> list[str]:
