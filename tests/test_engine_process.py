@@ -100,21 +100,24 @@ def test_a_killed_engine_process_ends_every_stream_with_engine_dead(tiny):
         engine.close()
 
 
+class _Pipe:
+    """The child's pipe to the parent, keeping what is sent."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, message):
+        self.sent.append(message)
+
+
 def test_a_request_held_behind_a_weight_change_can_be_aborted(tiny):
     """A request that arrives while a weight change waits for the engine to drain is held; an
     abort then ends it at once ("abort", nothing generated) and it never runs. Without the
     abort it runs after the change (control: the same add, not aborted, is queued)."""
     from samebits.engine.engine_child import _Loop
 
-    class Pipe:
-        def __init__(self):
-            self.sent = []
-
-        def send(self, message):
-            self.sent.append(message)
-
     llm = LLM(tiny, max_num_seqs=2, max_model_len=64)
-    pipe = Pipe()
+    pipe = _Pipe()
     loop = _Loop(pipe, llm)
     loop.calls.append((0, "flush_cache", {"_waited": 1}))  # a weight change still waiting
     sp = SamplingParams(max_tokens=4, n=2, seed=1)
@@ -135,15 +138,8 @@ def test_requests_an_update_aborts_carry_the_version_they_ran_on(tiny):
     replays such requests on the version they name)."""
     from samebits.engine.engine_child import _Loop
 
-    class Pipe:
-        def __init__(self):
-            self.sent = []
-
-        def send(self, message):
-            self.sent.append(message)
-
     llm = LLM(tiny, max_num_seqs=2, max_model_len=64)
-    pipe = Pipe()
+    pipe = _Pipe()
     loop = _Loop(pipe, llm)
     loop._handle(("add", "r", [3, 4, 5], SamplingParams(max_tokens=20, seed=1, ignore_eos=True)))
     loop._publish(loop._step() + loop._step())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_rows import hf_rows
 
 from samebits import LLM, SamplingParams, batch_invariant, trainer
 from samebits.numerics import logprob_formulas as lf
@@ -70,16 +71,6 @@ def fused_run(tiny, request):
     return outs, trainer.load_hf_model(tiny, dtype=torch.bfloat16, device=device)
 
 
-def _hf(model, out):
-    """The trainer's final hidden states and logits at the positions that sampled, the tokens."""
-    ids = torch.tensor(out.prompt_token_ids + out.token_ids, device=model.device)
-    p = len(out.prompt_token_ids)
-    with batch_invariant(), torch.no_grad():
-        hidden = model.model(input_ids=ids[None], use_cache=False).last_hidden_state[0]
-        logits = model.lm_head(hidden)
-    return hidden[p - 1 : -1], logits[p - 1 : -1], ids[p:]
-
-
 def _fn(formula):
     return trl_fused_head if formula is None else formula.fn
 
@@ -90,7 +81,7 @@ def test_fused_rows_are_the_users_fn_on_the_trainers_hidden_states(fused_run):
     for (t, formula, k), out in zip(CASES, outs, strict=True):
         if formula == "verl":
             continue
-        hidden, _, tokens = _hf(model, out)
+        hidden, _, tokens = hf_rows(model, out)
         fn, temp = _fn(formula), t or 1.0
         with batch_invariant(), torch.no_grad():
             assert torch.equal(out.logprobs, fn(hidden, weight, tokens, temp).float().cpu()), (t, formula)
@@ -105,7 +96,7 @@ def test_named_formula_rows_beside_fused_rows_keep_their_line(fused_run):
     outs, model = fused_run
     for (t, formula, _), out in zip(CASES, outs, strict=True):
         if formula == "verl":
-            _, logits, tokens = _hf(model, out)
+            _, logits, tokens = hf_rows(model, out)
             with batch_invariant():
                 temps = torch.full(tokens.shape, t, dtype=torch.float32, device=logits.device)
                 assert torch.equal(out.logprobs, lf.LINES["verl"](logits, tokens, temps).cpu())
@@ -115,7 +106,7 @@ def test_trls_fused_head_given_as_a_fused_line_is_the_named_trl_line(fused_run):
     outs, model = fused_run
     for (t, formula, _), out in zip(CASES, outs, strict=True):
         if formula is None:
-            _, logits, tokens = _hf(model, out)
+            _, logits, tokens = hf_rows(model, out)
             with batch_invariant():
                 temps = torch.full(tokens.shape, t or 1.0, dtype=torch.float32, device=logits.device)
                 assert torch.equal(out.logprobs, lf.LINES["trl"](logits, tokens, temps).cpu()), t
@@ -126,7 +117,7 @@ def test_control_the_default_line_on_the_same_tokens_differs(fused_run):
     got, default = [], []
     for (t, formula, _), out in zip(CASES, outs, strict=True):
         if formula is None or isinstance(formula, FusedLine):
-            _, logits, tokens = _hf(model, out)
+            _, logits, tokens = hf_rows(model, out)
             with batch_invariant():
                 lps = torch.log_softmax(logits.float() / (t or 1.0), -1)
             default.append(lps.gather(-1, tokens[:, None])[:, 0])
@@ -225,7 +216,7 @@ def test_engine_with_liger_flce_as_a_fused_line_is_liger_on_the_trainers_hidden_
     del llm
     model = trainer.load_hf_model(tiny, dtype=torch.bfloat16, device="cuda")
     for out in outs:
-        hidden, _, tokens = _hf(model, out)
+        hidden, _, tokens = hf_rows(model, out)
         with batch_invariant(), torch.no_grad():
             assert torch.equal(out.logprobs, liger_flce(hidden, model.lm_head.weight, tokens, 1.0).cpu())
 

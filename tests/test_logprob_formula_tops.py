@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hf_rows import hf_rows
 
 from samebits import LLM, SamplingParams, batch_invariant, trainer
 from samebits.numerics import logprob_formulas as lf
@@ -146,16 +147,6 @@ def tops_run(tiny, request):
     return cases, outs, trainer.load_hf_model(tiny, dtype=torch.bfloat16, device=device)
 
 
-def _hf(model, out):
-    """The trainer's final hidden states and logits at the positions that sampled, the tokens."""
-    ids = torch.tensor(out.prompt_token_ids + out.token_ids, device=model.device)
-    p = len(out.prompt_token_ids)
-    with batch_invariant(), torch.no_grad():
-        hidden = model.model(input_ids=ids[None], use_cache=False).last_hidden_state[0]
-        logits = model.lm_head(hidden)
-    return hidden[p - 1 : -1], logits[p - 1 : -1], ids[p:]
-
-
 def _top(out, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """The output's top ids [n, K] (on `device`) and values [n, K] (on the CPU)."""
     ids = torch.tensor([[tok for tok, _ in step] for step in out.top_logprobs], device=device)
@@ -168,7 +159,7 @@ def test_engine_top_logprobs_are_the_frameworks_values_at_those_ids(tops_run):
     weight = model.lm_head.weight
     for (formula, ti), out in zip(cases, outs, strict=True):
         t = ENGINE_TEMPS[ti] or 1.0
-        hidden, logits, tokens = _hf(model, out)
+        hidden, logits, tokens = hf_rows(model, out)
         ids, values = _top(out, logits.device)
         assert ids.shape == (MAX_TOKENS, K)
         with batch_invariant(), torch.no_grad():
@@ -228,7 +219,7 @@ def test_processed_top_logprobs_are_the_trainer_helper_at_those_ids(tiny):
     outs = llm.generate([_prompt(i % 3) for i in range(len(PROCESSED))], params)
     model = trainer.load_hf_model(tiny, dtype=torch.bfloat16)
     for (t, p, k, f), out in zip(PROCESSED, outs, strict=True):
-        _, logits, tokens = _hf(model, out)
+        _, logits, tokens = hf_rows(model, out)
         ids, values = _top(out)
         line = dict(top_p=p, top_k=k, formula=f or "log_softmax")
         with batch_invariant():
