@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from samebits import LLM, SamplingParams
-from samebits.engine.llm import tensor_digest
+from samebits.engine.digest import tensor_digest
 from samebits.verify import make_prompts
 
 

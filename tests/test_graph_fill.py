@@ -115,7 +115,7 @@ def _graphed(tiny, monkeypatch, stale_rules_logits: bool = False):
     (graphs stood in by `_Replayed`) -> (outputs, {(size, sampled)}, sample_plain calls in
     the forwards that had rules rows)."""
     from samebits.engine import sampler
-    from samebits.engine.llm import EngineConfig
+    from samebits.engine.config import EngineConfig
 
     with monkeypatch.context() as m:  # the runner makes its graphs (and their dummy block) as on CUDA
         m.setattr(EngineConfig, "graph_sizes", lambda self: graph_sizes(self.max_num_seqs))

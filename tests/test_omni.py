@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from samebits import LLM, SamplingParams, batch_invariant, trainer
-from samebits.engine.llm import tensor_digest
+from samebits.engine.digest import tensor_digest
 from samebits.engine.scheduler import ScheduledBatch, ScheduledChunk
 from samebits.engine.sequence import Sequence
 from samebits.model.config_files import UnsupportedCheckpointError

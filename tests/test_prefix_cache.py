@@ -15,7 +15,7 @@ import torch
 
 from samebits import LLM, SamplingParams
 from samebits.engine.block_manager import BlockManager
-from samebits.engine.llm import EngineConfig
+from samebits.engine.config import EngineConfig
 from samebits.verify import make_prompts
 
 BS = 16  # the engine's default block size

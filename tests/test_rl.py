@@ -11,7 +11,7 @@ import torch
 
 from samebits import rl
 from samebits.cli import main
-from samebits.engine.llm import tensor_digest
+from samebits.engine.digest import tensor_digest
 from samebits.rl.batching import pack_micro_batches, split_mini_batches
 from samebits.rl.loop import RLLoop
 

@@ -17,7 +17,7 @@ import torch
 
 from samebits import rl
 from samebits.cli import main
-from samebits.engine.llm import tensor_digest
+from samebits.engine.digest import tensor_digest
 from samebits.rl import checkpoint, driver, loop
 
 BITWISE = ("rollout_logprobs_mismatch_count", "old_logprobs_mismatch_count", "digest_mismatch_count")

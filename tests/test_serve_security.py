@@ -24,7 +24,7 @@ from fastapi.testclient import TestClient
 from serve_server import Server
 
 from samebits.client import Client, WeightSyncError
-from samebits.engine.core import CompletionOutput, RequestOutput
+from samebits.engine.outputs import CompletionOutput, RequestOutput
 from samebits.engine.validation import check_request
 from samebits.serve import auth
 from samebits.serve.app import build_app

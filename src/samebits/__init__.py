@@ -11,13 +11,14 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "samebits.engine.llm",
     "MultimodalPrompt": "samebits.requests",
-    "RequestOutput": "samebits.engine.llm",
+    "RequestOutput": "samebits.engine.outputs",
     "SamplingParams": "samebits.requests",
     "batch_invariant": "samebits.numerics.batch_invariant",
 }
 
 if TYPE_CHECKING:
-    from samebits.engine.llm import LLM, RequestOutput
+    from samebits.engine.llm import LLM
+    from samebits.engine.outputs import RequestOutput
     from samebits.numerics.batch_invariant import batch_invariant
     from samebits.requests import MultimodalPrompt, SamplingParams
 

@@ -90,10 +90,10 @@ def model(text: str) -> Path:
 
 def device(text: str) -> str:
     """'cpu', or 'cuda[:N]' on a machine with CUDA, Triton and sm_80+."""
-    from samebits.engine.llm import _check_device
+    from samebits.engine.config import check_device
 
     try:
-        _check_device(text)
+        check_device(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text

@@ -15,7 +15,7 @@ import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 
-from samebits.engine.core import RequestOutput
+from samebits.engine.outputs import RequestOutput
 from samebits.requests.sampling_params import SamplingParams
 
 

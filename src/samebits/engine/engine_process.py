@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from samebits.engine.async_engine import EngineDeadError, outputs
-from samebits.engine.core import CompletionOutput, RequestOutput
 from samebits.engine.detokenizer import load_tokenizer
+from samebits.engine.outputs import CompletionOutput, RequestOutput
 from samebits.engine.validation import check_request, check_text, no_tokenizer
 from samebits.requests.sampling_params import SamplingParams
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from samebits.engine.core import CompletionOutput, RequestOutput
+from samebits.engine.outputs import CompletionOutput, RequestOutput
 
 
 def finite(x: float) -> float:

@@ -19,7 +19,7 @@ COUNTERS = {
     "num_preemptions": "sequences preempted",
     "engine_steps": "engine steps",
     "engine_step_seconds": "seconds spent in engine steps",
-    # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens (engine/core.py EngineStats)
+    # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens (engine/outputs.py EngineStats)
     "prefix_cache_queries": "prompt tokens looked up in the prefix cache at admission",
     "prefix_cache_hits": "of those, tokens whose K/V came from the cache (not computed)",
 }

@@ -6,7 +6,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
-from samebits.engine.core import RequestOutput
+from samebits.engine.outputs import RequestOutput
 
 
 class ClientGone(Exception):
