@@ -5,13 +5,14 @@
 
 At the Qwen3-30B-A3B attention shape (32 query heads, 4 kv heads, head dim 128, bf16,
 paged cache of 16-token pages), one query per sequence at `--context` keys: runs
-`attention_triton.attention` on each path (64-row tiles or transposed 16-row tiles, keys in
+`attention_launch.attention` on each path (64-row tiles or transposed 16-row tiles, keys in
 one program or split into parallel programs, merged by a second launch or by the last of them
 to finish), compares the output bitwise with the default
 path, and times it in a CUDA graph (as the engine replays decode) against the memory floor:
 the K/V bytes read once at the copy bandwidth measured in the same run. Then packed prefill
-(8 x `--context`, eager). `--baseline FILE`: also time another version of the module (e.g.
-`git show REV:src/samebits/kernels/attention_triton.py > old.py`) on its default path.
+(8 x `--context`, eager). `--baseline FILE`: also time another version of the kernels (e.g.
+`git show REV:src/samebits/kernels/attention_triton.py > old.py`) on its default path, through
+its own `attention` where the file has one, else through this launcher.
 `--launches`: also sweep (num_warps, num_stages) on each path (they must not change bits).
 `--chunks`: also time the default path with other chunk sizes (a chunk size is part of every
 row's bits, engine and trainer alike: the question is which size to build in).
@@ -26,8 +27,9 @@ import json
 import torch
 import triton
 
-from samebits.kernels import attention_triton as at
+from samebits.kernels import attention_launch as at
 from samebits.kernels.attention_plan import plan
+from samebits.kernels.attention_triton import BLOCK_N, CHUNK
 from samebits.kernels.device_facts import sm_count
 
 H, KVH, D, PAGE = 32, 4, 128, 16
@@ -62,11 +64,15 @@ def _inputs(batch: int, context: int, seed: int = 0, queries: int = 1):
     return q, k, v, meta
 
 
-def _load(path: str):
-    spec = importlib.util.spec_from_file_location("attention_baseline", path)
+def _load(path: str, name: str = "attention_baseline"):
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod
+    if hasattr(mod, "attention"):
+        return mod
+    launcher = _load(at.__file__, "attention_baseline_launch")  # this launcher over the file's kernels
+    launcher.attention_kernel, launcher.combine_kernel = mod.attention_kernel, mod.combine_kernel
+    return launcher
 
 
 def _graph_us(fn) -> float:
@@ -90,7 +96,7 @@ def _decode_batch(b, context, baseline, launches, bw, chunks) -> dict:
         f"launch=({path.warps}, {path.stages})"
     )
 
-    def call(split=None, tr=None, last=None, chunk=at.CHUNK, launch=None):
+    def call(split=None, tr=None, last=None, chunk=CHUNK, launch=None):
         return at.attention(
             q, k, v, *meta, 1, D**-0.5, PAGE, split=split, transposed=tr, merge_last=last, chunk=chunk,
             launch=launch,
@@ -164,8 +170,8 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
     chunks = [int(c) for c in args.chunks.split(",") if c]
-    if any(c <= 0 or c % at.BLOCK_N for c in chunks):
-        p.error(f"--chunks: each a positive multiple of the key block ({at.BLOCK_N}), got {args.chunks}")
+    if any(c <= 0 or c % BLOCK_N for c in chunks):
+        p.error(f"--chunks: each a positive multiple of the key block ({BLOCK_N}), got {args.chunks}")
     baseline = _load(args.baseline) if args.baseline else None
     bw = copy_bandwidth(torch.device("cuda"))
     launches = [None, *LAUNCHES] if args.launches else [None]

@@ -94,9 +94,9 @@ def replay_ms(llm, batch: int, context: int, steps: int) -> float | None:
 
 def sampler_ms(vocab: int, batch: int, reps: int = 20) -> dict[str, float]:
     """The plain decode sample alone on random bf16 logits [batch, vocab] (T = 0.7 rows), eager,
-    inside batch_invariant(): op by op (`composite.sample_plain`) and fused (`sample_triton`)."""
+    inside batch_invariant(): op by op (`composite.sample_plain`) and fused (`sample_launch`)."""
     from samebits.engine.sampler import SampleRequest, row_inputs
-    from samebits.kernels import sample_triton
+    from samebits.kernels import sample_launch
     from samebits.numerics import composite, registry
     from samebits.numerics.batch_invariant import batch_invariant
     from samebits.requests import SamplingParams
@@ -106,7 +106,7 @@ def sampler_ms(vocab: int, batch: int, reps: int = 20) -> dict[str, float]:
     args = [t.cuda() for t in row_inputs(reqs)]
     arms = {
         "op by op": lambda: composite.sample_plain(logits, *args, registry._multiply_by_reciprocals),
-        "fused": lambda: sample_triton.sample(logits, *args),
+        "fused": lambda: sample_launch.sample(logits, *args),
     }
     out = {}
     with batch_invariant():

@@ -21,8 +21,8 @@ import torch
 import triton
 
 from samebits.kernels.experts import experts_grouped_mm
+from samebits.kernels.experts_launch import experts_forward
 from samebits.kernels.experts_tiles import SMALL_TILES
-from samebits.kernels.experts_triton import experts_forward
 
 E, K, H, INTER = 128, 8, 2048, 768
 CONFIGS = (

@@ -26,8 +26,8 @@ import json
 import torch
 import triton
 
+from samebits.kernels.experts_launch import experts_forward
 from samebits.kernels.experts_tiles import m_in_grid_for, tiles_for
-from samebits.kernels.experts_triton import experts_forward
 
 E, K, H, INTER = 128, 8, 2048, 768
 CONFIGS = [  # (BLOCK_M, BLOCK_N, warps, stages), rows in grid

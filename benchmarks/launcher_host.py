@@ -22,7 +22,7 @@ import pstats
 import torch
 from eager_ops import per_call_us  # noqa: E402 - a sibling script (benchmarks/ is on the path when run)
 
-MODULES = ("matmul_triton", "norm_rope_triton", "norm_backward_triton", "attention_triton", "experts_triton")
+MODULES = ("matmul_triton", "norm_rope_triton", "norm_backward_triton", "attention_launch", "experts_launch")
 
 
 class _NoLaunch:
@@ -76,11 +76,11 @@ def calls(mods: dict) -> dict:
         "rms_norm_backward (dx, dw)": lambda: m["norm_backward_triton"].rms_norm_backward(
             x, x, w, 1e-6, (True, True)
         ),
-        "paged_attention (4 x 128)": lambda: m["attention_triton"].paged_attention(
+        "paged_attention (4 x 128)": lambda: m["attention_launch"].paged_attention(
             q, kv, kv, *fields, 0.088, 1
         ),
-        "route_pairs": lambda: m["experts_triton"].route_pairs(index, e),
-        "experts_forward": lambda: m["experts_triton"].experts_forward(x, index, weights, gate_up, down),
+        "route_pairs": lambda: m["experts_launch"].route_pairs(index, e),
+        "experts_forward": lambda: m["experts_launch"].experts_forward(x, index, weights, gate_up, down),
     }
 
 

@@ -6,7 +6,7 @@
 vocabulary, inside `batch_invariant()`, two arms in one run:
 - composite: `log_softmax_ref` with the device's tree sum (max, subtract, exp, tree sum,
   log, subtract: three [N, V] float32 temporaries besides the output);
-- fused: what batch_invariant() now runs there (`sample_triton.log_softmax`: max, lane
+- fused: what batch_invariant() now runs there (`sample_launch.log_softmax`: max, lane
   sums, total, then every id's log-prob; reads the input three times, writes the output).
 Prints per arm the forward time, the peak memory it allocated beyond its input, whether the
 bits equal the composite's, and the floor: the fused arm's bytes (3 reads of the float32

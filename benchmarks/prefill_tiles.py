@@ -26,7 +26,7 @@ import json
 import torch
 import triton
 
-from samebits.kernels import attention_triton as at
+from samebits.kernels import attention_launch as at
 from samebits.kernels import matmul_triton as mt
 from samebits.kernels.device_facts import sm_count
 from samebits.kernels.matmul_tiles import tiles_for
@@ -134,8 +134,8 @@ def experts_part(tokens: list[int]) -> dict:
     """The Qwen3-30B-A3B experts (128, top-8, H 2048, I 768) at prefill sizes: pointer loads
     against TMA for gate_up's weights, down's operands or both, at the table's tiles and others
     (row blocks in the grid), each compared bitwise with the table's pointer launch."""
+    from samebits.kernels.experts_launch import experts_forward
     from samebits.kernels.experts_tiles import tiles_for as experts_tiles
-    from samebits.kernels.experts_triton import experts_forward
 
     e, k, h, inter = 128, 8, 2048, 768
     g = torch.Generator(device="cuda").manual_seed(0)

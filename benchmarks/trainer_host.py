@@ -44,13 +44,13 @@ KERNEL_MODULES = (
     "norm_rope_triton",
     "norm_backward_triton",
     "norm_rope_backward_triton",
-    "attention_triton",
-    "experts_triton",
+    "attention_launch",
+    "experts_launch",
     "experts_backward_triton",
     "reduce_triton",
     "router_triton",
     "router_one_launch",
-    "sample_triton",
+    "sample_launch",
 )
 
 
@@ -82,7 +82,7 @@ def _stub_samebits() -> None:
     # the modules this checkout has (the script also times older checkouts, PYTHONPATH=old/src)
     launcher_host.MODULES = [m for m in KERNEL_MODULES if importlib.util.find_spec(f"samebits.kernels.{m}")]
     mods = launcher_host.stub_launches()
-    experts = mods["experts_triton"]
+    experts = mods["experts_launch"]
     real_route, valid = experts.route_pairs, {}
 
     def route_pairs(top_k_index, num_experts):  # its launcher runs; the backward gathers by what

@@ -206,7 +206,7 @@ def test_cuda_op_gives_the_launchers_bits_and_the_trainers_rows():
     through the op equals the Triton launcher called with the batch's own fields (query starts,
     lengths, context lengths, block tables), and every row equals the trainer's packed forward
     over the whole sequences."""
-    from samebits.kernels.attention_triton import attention as launcher
+    from samebits.kernels.attention_launch import attention as launcher
 
     h, kvh, d, bs, dev = 32, 4, 128, 16, "cuda"
     starts, counts = [200, 37, 0], [1, 100, 150]

@@ -72,7 +72,7 @@ def test_prefill_sizes_load_expert_tiles_by_tma():
 
 
 _TMA_EXPERTS = """
-from samebits.kernels import experts_triton as et
+from samebits.kernels import experts_launch as el
 g = torch.Generator().manual_seed(0)
 T, K, E, H, I = 40, 2, 4, 200, 88  # H: a partial K block (BLOCK_K 64); I: partial column tiles
 x = torch.randn(T, H, generator=g).half()
@@ -82,13 +82,13 @@ gu = (torch.randn(E, 2 * I, H, generator=g) * 0.1).half()
 dn = (torch.randn(E, H, I, generator=g) * 0.1).half()
 for in_grid in (True, False):
     kw = dict(tiles=(32, 32, 4, 2), m_in_grid=in_grid)
-    want = et.experts_forward(x, idx, wts, gu, dn, tma=(False, False), **kw)
+    want = el.experts_forward(x, idx, wts, gu, dn, tma=(False, False), **kw)
     for tma in ((True, False), (False, True), (True, True)):
-        got = et.experts_forward(x, idx, wts, gu, dn, tma=tma, **kw)
+        got = el.experts_forward(x, idx, wts, gu, dn, tma=tma, **kw)
         assert torch.equal(got, want), (in_grid, tma, (got.float() - want.float()).abs().max())
     # control: the same products summed from the other end of H give other bits
     xf, guf = x.flip(1).contiguous(), gu.flip(2).contiguous()
-    flip = et.experts_forward(xf, idx, wts, guf, dn, tma=(True, True), **kw)
+    flip = el.experts_forward(xf, idx, wts, guf, dn, tma=(True, True), **kw)
     assert not torch.equal(flip, want)
 print("OK")
 """

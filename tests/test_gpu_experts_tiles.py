@@ -32,7 +32,7 @@ def inputs():
 
 
 def _forward(inputs, rows=slice(None), **kw):
-    from samebits.kernels.experts_triton import experts_forward
+    from samebits.kernels.experts_launch import experts_forward
 
     x, index, weights, gate_up, down = inputs
     return experts_forward(x[rows], index[rows], weights[rows], gate_up, down, **kw)
@@ -96,15 +96,15 @@ def test_tma_loads_give_the_pointer_loads_bits(inputs, monkeypatch):
     """At prefill sizes (`tma_for`) the kernels load gate_up's weight tiles and down's operand
     tiles by tensor descriptors: with either or both, at each of the large entries, every bit
     equals the pointer loads' (the control above runs with them on: T_BIG is past the switch)."""
-    from samebits.kernels import experts_triton as et
+    from samebits.kernels import experts_launch as el
     from samebits.kernels.device_facts import tma_compared
 
     if not tma_compared(torch.device("cuda")):
         pytest.skip("TMA tiles run only where their bits were compared (NVIDIA compute capability 9.x)")
-    assert et.tma_for(T_BIG * K) == (True, True)
+    assert el.tma_for(T_BIG * K) == (True, True)
     made = []
-    descriptor = et._descriptor
-    monkeypatch.setattr(et, "_descriptor", lambda *a: made.append(1) or descriptor(*a))
+    descriptor = el._descriptor
+    monkeypatch.setattr(el, "_descriptor", lambda *a: made.append(1) or descriptor(*a))
     pointer = _forward(inputs, tma=(False, False))
     assert not made
     assert torch.equal(_forward(inputs), pointer) and len(made) == 3  # the table's choice: both
@@ -119,7 +119,7 @@ def test_tma_loads_at_widths_that_are_not_multiples_of_the_tiles():
     the K tails are the descriptors' zero fill; none of it may reach a stored element. Every
     combination, at the large tiles and down's wide ones, equals the pointer loads bit for bit."""
     from samebits.kernels.device_facts import tma_compared
-    from samebits.kernels.experts_triton import experts_forward
+    from samebits.kernels.experts_launch import experts_forward
 
     if not tma_compared(torch.device("cuda")):
         pytest.skip("TMA tiles run only where their bits were compared (NVIDIA compute capability 9.x)")

@@ -42,7 +42,7 @@ def _decode_paths(h, kvh, d):
 @pytest.mark.parametrize("h,kvh,d", [(32, 4, 128), (6, 2, 24)])
 def test_triton_attention_same_bits_packed_chunked_and_decode(h, kvh, d):
     from samebits.kernels.attention import varlen_attention as varlen_ref
-    from samebits.kernels.attention_triton import attention
+    from samebits.kernels.attention_launch import attention
     from samebits.model.attention import AttentionBatch
     from samebits.model.attention import attention as attention_op
 
@@ -85,7 +85,8 @@ def test_split_keys_give_the_bits_of_one_program_per_tile(h, kvh, d):
     by the last of them to finish) give the bits of the one-program path and of the trainer's
     packed rows, at positions on both sides of every chunk edge, one query per sequence and
     several. Control: another chunk size changes rows past its first chunk and none before it."""
-    from samebits.kernels.attention_triton import CHUNK, attention
+    from samebits.kernels.attention_launch import attention
+    from samebits.kernels.attention_triton import CHUNK
 
     lens = [1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 7, 1000]
     s = max(lens)
@@ -148,7 +149,7 @@ def test_split_merged_in_the_last_program_keeps_its_bits_across_calls_and_graph_
     merges: its rows stay as they were, the other kv heads' and sequences' keep their bits.
     (A count one short is no reliable control: whether the early merger finds the last chunk
     stored is a race.)"""
-    from samebits.kernels import attention_triton as at
+    from samebits.kernels import attention_launch as at
 
     h, kvh, d = 32, 4, 128
     lens = [1, 255, 256, 257, 1000, 777, 513, 1100]
@@ -197,7 +198,7 @@ def test_transposed_tiles_give_the_bits_of_normal_tiles():
     each (warps, stages) `attention_plan.plan` launches.
     Control: with the row sum of p taken by `tl.sum` (its order follows each orientation's
     register layout) instead of an MMA against ones, some rows differ."""
-    from samebits.kernels.attention_triton import attention
+    from samebits.kernels.attention_launch import attention
 
     h, kvh, d, s, rows = 32, 4, 128, 1100, 512
     q = torch.randn(s, h, d, device="cuda", generator=_g(60)).bfloat16()
@@ -245,7 +246,7 @@ def _experts_inputs(t, e=128, k=8, h=2048, i=768, seed=0):
 
 
 def test_triton_experts_rows_do_not_depend_on_the_batch():
-    from samebits.kernels.experts_triton import experts_forward
+    from samebits.kernels.experts_launch import experts_forward
 
     x, index, weights, gate_up, down = _experts_inputs(300)
     full = experts_forward(x, index, weights, gate_up, down)
@@ -531,14 +532,15 @@ def test_one_launch_qk_norm_rope_and_cache_writes_give_the_op_by_op_bits(t):
 def test_routing_kernel_gives_the_stable_sort_for_any_expert_count(e, k, t):
     """`route_kernel` places pairs by counting, n / ROUTE_PAIRS programs: other expert counts
     and top-k than Qwen3's, a partial last program (600, 4092 and 4088 pairs), skewed routing."""
-    from samebits.kernels import experts_triton as et
     from samebits.kernels.experts import route
+    from samebits.kernels.experts_launch import route_pairs
+    from samebits.kernels.experts_triton import MAX_ROUTED
 
     g = torch.Generator().manual_seed(e + t)
     index = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).cuda()
     index[: t // 3, 0] = e - 1  # the last expert holds many pairs
-    assert index.numel() <= et.MAX_ROUTED
-    order, offsets = et.route_pairs(index, e)
+    assert index.numel() <= MAX_ROUTED
+    order, offsets = route_pairs(index, e)
     want_order, want_offsets = route(index, e)
     assert torch.equal(order, want_order) and torch.equal(offsets, want_offsets)
 
@@ -548,21 +550,22 @@ def test_one_launch_routing_and_slot_sum_give_the_torch_ops_results(t):
     """`route_kernel` gives `experts.route`'s order and offsets exactly (600 x 8 pairs: past
     MAX_ROUTED, the torch ops themselves), and `slot_sum_kernel` the bits of `tree_sum_ref` over
     the top-k slots. Control: summing the slots left to right rounds differently."""
-    from samebits.kernels import experts_triton as et
+    from samebits.kernels import experts_launch as el
     from samebits.kernels.experts import route
+    from samebits.kernels.experts_triton import slot_sum_kernel
     from samebits.kernels.reduce import tree_sum_ref
 
     g = torch.Generator().manual_seed(t)
     index = torch.stack([torch.randperm(128, generator=g)[:8] for _ in range(t)]).cuda()
     index[: t // 2, 0] = 5  # one expert holds many pairs
-    order, offsets = et.route_pairs(index, 128)
+    order, offsets = el.route_pairs(index, 128)
     want_order, want_offsets = route(index, 128)
     assert torch.equal(order, want_order) and torch.equal(offsets, want_offsets)
     per_slot = (
         torch.randn(t * 8, 2048, device="cuda", generator=_g(t)) * torch.rand(t * 8, 1, device="cuda") * 100
     )
     out = torch.empty(t, 2048, dtype=torch.bfloat16, device="cuda")
-    et.slot_sum_kernel[(t, 2048 // et.SLOT_BLOCK_H)](per_slot, out, 2048, K=8, BLOCK_H=et.SLOT_BLOCK_H)
+    slot_sum_kernel[(t, 2048 // el.SLOT_BLOCK_H)](per_slot, out, 2048, K=8, BLOCK_H=el.SLOT_BLOCK_H)
     view = per_slot.view(t, 8, 2048)
     assert torch.equal(out, tree_sum_ref(view, dim=1).bfloat16())
     left_to_right = view[:, 0]
@@ -579,7 +582,7 @@ def test_slot_add_rms_norm_kernel_is_slot_sum_then_add_rms_norm_on_cuda(t):
     give another residual stream where slots j and j + 4 nearly cancel. (aten's CUDA `sum(1)`
     is no control: its vectorized reduction adds slot j to slot j + 4 first, the tree's own
     first level, and gave the tree's bits on the H200.)"""
-    from samebits.kernels import experts_triton as et
+    from samebits.kernels import experts_launch as el
     from samebits.kernels import norm_rope_triton as nt
 
     big = 1e5 * torch.randn(t, 4, 2048, device="cuda", generator=_g(t))
@@ -587,7 +590,7 @@ def test_slot_add_rms_norm_kernel_is_slot_sum_then_add_rms_norm_on_cuda(t):
     residual = torch.randn(t, 2048, device="cuda", generator=_g(t + 2)).bfloat16()
     w = (1 + 0.1 * torch.randn(2048, device="cuda", generator=_g(t + 3))).bfloat16()
     got = nt.slot_add_rms_norm(slots, residual, w, 1e-6)
-    want = nt.rms_norm(et.slot_sum(slots, torch.bfloat16), w, 1e-6, residual=residual)
+    want = nt.rms_norm(el.slot_sum(slots, torch.bfloat16), w, 1e-6, residual=residual)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     left_to_right = slots[:, 0]
     for j in range(1, 8):
@@ -665,8 +668,8 @@ def test_engine_with_programmatic_dependent_launch_gives_the_same_bits(tmp_path,
     for module in (
         "matmul_triton",
         "norm_rope_triton",
-        "attention_triton",
-        "experts_triton",
+        "attention_launch",
+        "experts_launch",
         "router_one_launch",
     ):
         monkeypatch.setattr(f"samebits.kernels.{module}.launch_args", pdl.launch_args)

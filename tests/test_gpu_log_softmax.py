@@ -1,5 +1,5 @@
 """CUDA: batch_invariant()'s log_softmax over a vocabulary runs the sampler's fused kernels
-(`sample_triton.log_softmax`) and gives the bits of the composite (`log_softmax_ref` with the
+(`sample_launch.log_softmax`) and gives the bits of the composite (`log_softmax_ref` with the
 device's tree sum): the trainer's line `torch.log_softmax(logits.float() / T, dim=-1)` at the
 Qwen3 vocabulary, with rows of -inf, +inf and NaN logits, and its gradient."""
 
@@ -44,11 +44,11 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _spy(monkeypatch) -> list:
-    from samebits.kernels import sample_triton
+    from samebits.kernels import sample_launch
 
     calls = []
-    fused = sample_triton.log_softmax
-    monkeypatch.setattr(sample_triton, "log_softmax", lambda *a: calls.append(1) or fused(*a))
+    fused = sample_launch.log_softmax
+    monkeypatch.setattr(sample_launch, "log_softmax", lambda *a: calls.append(1) or fused(*a))
     return calls
 
 

@@ -314,7 +314,7 @@ def test_experts_have_a_backward():
 
 
 _SLOT_NORM = """
-from samebits.kernels import experts_triton as et, norm_rope_triton as nt
+from samebits.kernels import experts_launch as el, norm_rope_triton as nt
 g = torch.Generator().manual_seed(0)
 for t, k, h in [(3, 8, 2048), (2, 4, 96), (1, 2, 130), (4, 16, 64)]:
     big = 1e5 * torch.randn(t, k // 2, h, generator=g)
@@ -322,7 +322,7 @@ for t, k, h in [(3, 8, 2048), (2, 4, 96), (1, 2, 130), (4, 16, 64)]:
     residual = torch.randn(t, h, generator=g).bfloat16()
     w = (1 + 0.1 * torch.randn(h, generator=g)).bfloat16()
     got = nt.slot_add_rms_norm(slots, residual, w, 1e-6)
-    want = nt.rms_norm(et.slot_sum(slots, torch.bfloat16), w, 1e-6, residual=residual)
+    want = nt.rms_norm(el.slot_sum(slots, torch.bfloat16), w, 1e-6, residual=residual)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (t, k, h)
     other = nt.rms_norm(slots.sum(1).bfloat16(), w, 1e-6, residual=residual)
     assert k == 2 or not torch.equal(other[0], want[0]), (t, k, h)  # control: another K order
@@ -339,7 +339,7 @@ def test_slot_add_rms_norm_kernel_is_slot_sum_then_add_rms_norm_in_tritons_inter
 
 
 _MERGE_LAST = """
-from samebits.kernels import attention_triton as at
+from samebits.kernels import attention_launch as at
 g = torch.Generator().manual_seed(0)
 H, KVH, D, PAGE = 4, 2, 64, 16
 lens = [70, 300, 513, 1000, 777, 256, 257, 900]

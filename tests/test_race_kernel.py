@@ -1,4 +1,4 @@
-"""The exponential race over given probabilities in one launch (`sample_triton.race`, the
+"""The exponential race over given probabilities in one launch (`sample_launch.race`, the
 sampler's rows with banned tokens, top-k/top-p or top log-probs): the op-by-op race's bits
 (`kernels.sample.race`), in Triton's CPU interpreter and on CUDA."""
 
@@ -53,14 +53,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def check(device: str) -> None:
-    from samebits.kernels import sample, sample_triton
+    from samebits.kernels import sample, sample_launch, sample_triton
 
     block = sample_triton.RACE_BLOCK
     for vocab, n, pad in ((20_000, 9, 0), (151_936, 7, 0), (100, 5, 0), (2 * block, 7, 0), (20_000, 9, 77)):
         lps, probs, scores, keys, random_row = rows(vocab, n, vocab, device, pad)
         assert probs.stride(0) == vocab + pad
         want = sample.race(lps, probs, scores, keys, random_row)
-        got = sample_triton.race(lps, probs, scores, keys, random_row)
+        got = sample_launch.race(lps, probs, scores, keys, random_row)
         assert torch.equal(got[0], want[0]), (vocab, got[0], want[0])
         assert torch.equal(_bits(got[1]), _bits(want[1]))  # every bit, NaNs too
         assert want[0][1] == 5 and want[0][3] == vocab - 1

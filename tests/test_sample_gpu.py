@@ -40,7 +40,7 @@ def test_fused_sample_equals_the_op_by_op_path(vocab, n):
     Control: the composite outside batch_invariant() (aten's stock log_softmax, another sum
     order) gives other log-prob bits on some row."""
     from samebits import batch_invariant
-    from samebits.kernels.sample_triton import sample, supported
+    from samebits.kernels.sample_launch import sample, supported
 
     logits, temps, keys, random_row = _rows(n, vocab, seed=vocab + n)
     assert supported(logits)
@@ -64,7 +64,7 @@ def test_fused_sample_equals_the_op_by_op_path(vocab, n):
 def test_fused_sample_rows_do_not_depend_on_the_batch():
     """Each row alone gives the bits it gives in a batch of 64; the race follows the keys (a row
     with other keys samples other tokens)."""
-    from samebits.kernels.sample_triton import sample
+    from samebits.kernels.sample_launch import sample
 
     logits, temps, keys, random_row = _rows(64, 151936, seed=3)
     tok, lp = sample(logits, temps, keys, random_row)
@@ -102,7 +102,7 @@ def test_the_engine_samples_through_the_fused_kernel_in_the_exact_profile(monkey
         assert len(calls) == 1
     finally:
         scope.pop_profile()
-    from samebits.kernels.sample_triton import sample
+    from samebits.kernels.sample_launch import sample
 
     fused = sample(logits, temps, keys, random_row)
     assert torch.equal(inside[1], fused[1]) and torch.equal(inside[0], fused[0])
@@ -113,7 +113,7 @@ def test_the_engine_samples_through_the_fused_kernel_in_the_exact_profile(monkey
 def test_vocabularies_the_fused_kernel_does_not_take_fall_back_to_the_composite(monkeypatch):
     """4096 tokens and fewer (the fold needs 64 x 128 padded slots) go op by op, same contract."""
     from samebits import batch_invariant
-    from samebits.kernels.sample_triton import supported
+    from samebits.kernels.sample_launch import supported
     from samebits.numerics import ops, scope
 
     calls = _spy(monkeypatch)
@@ -137,7 +137,7 @@ def test_rows_with_nan_or_infinite_logits_get_the_op_by_op_results(vocab):
     greedy. 8192 is a power of two (no padding past the vocabulary). Control: an argmax that
     passes over NaN (what `tl.max` alone does) picks another token for the partly-NaN row."""
     from samebits import batch_invariant
-    from samebits.kernels.sample_triton import sample
+    from samebits.kernels.sample_launch import sample
 
     logits, temps, keys, random_row = _rows(6, vocab, seed=5)
     logits[1, 77], logits[1, vocab - 5] = float("nan"), float("nan")

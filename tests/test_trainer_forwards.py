@@ -458,7 +458,7 @@ counted_kernels = (
     ("norm_rope_triton", "qk_norm_rope_cache"),
     ("norm_rope_backward_triton", "qk_norm_rope_backward"),
     ("experts_backward_triton", "pointwise"),
-    ("attention_triton", "paged_attention"),
+    ("attention_launch", "paged_attention"),
 )
 for mod, fn in counted_kernels:
     module = importlib.import_module(f"samebits.kernels.{mod}")

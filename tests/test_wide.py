@@ -207,7 +207,7 @@ def test_wide_on_cuda_schedules_and_the_trainer_agree(wide, weights, monkeypatch
     engine's transposed decode no longer gives the trainer's bits."""
     from functools import partial
 
-    from samebits.kernels import attention_triton as at
+    from samebits.kernels import attention_launch as at
 
     paths, real_plan = set(), at.plan
 

@@ -1,10 +1,10 @@
 """Which path a call of the Triton attention kernel takes (pure Python: no Triton, no device).
 
-`attention_triton.attention` runs one of four paths, all with the same bits for a row:
+`attention_launch.attention` runs one of four paths, all with the same bits for a row:
 tiles of BLOCK_M (token, head) rows or transposed tiles of BLOCK_Q rows (keys on the MMA's
 M), and a row's 256-key chunks in one program or split over parallel programs merged by the
 last of them to finish (transposed tiles) or by a second launch (64-row tiles). `plan` picks
-one from the call's shape; the kernel module and the benchmark both ask it, and the CPU tests
+one from the call's shape; the launcher and the benchmark both ask it, and the CPU tests
 check it.
 
 Transposed tiles give the 64-row tiles' bits because every product element, the row sums of

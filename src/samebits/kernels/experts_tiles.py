@@ -1,7 +1,7 @@
 """The Triton MoE experts' tile table: (BLOCK_M, BLOCK_N, num_warps, num_stages) by batch size.
 
 Plain Python (no torch, no Triton), so the table is testable on any machine; the kernels
-are in `experts_triton.py`.
+are in `experts_triton.py`, their launchers in `experts_launch.py`.
 
 Why the tiles may follow the batch and the bits still may not: every output element of
 `gate_up_kernel` and `down_kernel` is one program's fp32 accumulator walking its K
@@ -50,7 +50,7 @@ with grid rows measured 541 us against the large entry's 559 (3%, one eager samp
 large entry wins from T = 2048 (724 against 792), so no middle entry. Shared memory:
 (128, 128, 8, 4) with BLOCK_K 64 in bf16 needs about 192 KB (4 stages x (x tile + gate and
 up tiles)); it fits on H100/H200 (227 KB a block); the launcher takes fewer stages on a GPU
-with less (`experts_triton._stages_that_fit`), which changes no bit.
+with less (`experts_launch._stages_that_fit`), which changes no bit.
 """
 
 from __future__ import annotations

@@ -145,7 +145,7 @@ def _paged_attention(
 
 
 # the Triton kernel, imported on its first call (the registry's lazy CUDA implementations)
-_TRITON_ATTENTION = _lazy("samebits.kernels.attention_triton", "paged_attention")
+_TRITON_ATTENTION = _lazy("samebits.kernels.attention_launch", "paged_attention")
 
 
 def _attention_kernel(device: str):

@@ -79,7 +79,7 @@ def triton_available() -> bool:
 _TREE_CUDA = _lazy("samebits.kernels.reduce_triton", "tree_sum")
 _FUSED_NORM = _lazy("samebits.kernels.norm_rope_triton", "rms_norm")
 _FUSED_ROTARY = _lazy("samebits.kernels.norm_rope_triton", "apply_rotary")
-_EXPERTS_TRITON = _lazy("samebits.kernels.experts_triton", "experts_forward")
+_EXPERTS_TRITON = _lazy("samebits.kernels.experts_launch", "experts_forward")
 
 
 def _tree_sum_cuda(x, dim=-1, keepdim=False):
@@ -211,7 +211,7 @@ def _experts_triton(x, index, weights, gate_up, down):
 
 
 _NORM_BACKWARD_TRITON = _lazy("samebits.kernels.norm_backward_triton", "rms_norm_backward")
-_ROUTE_TRITON = _lazy("samebits.kernels.experts_triton", "route_pairs")
+_ROUTE_TRITON = _lazy("samebits.kernels.experts_launch", "route_pairs")
 _POINTWISE_TRITON = _lazy("samebits.kernels.experts_backward_triton", "pointwise")
 
 
@@ -224,7 +224,7 @@ def _experts_pointwise_cuda(gate_up, u, order, weights, want_dw):
 
 
 def _experts_backward_cuda(grad_out, x, index, weights, gate_up, down, wants):
-    """The closed form, routed by the forward's one launch (`experts_triton.route_pairs`: the
+    """The closed form, routed by the forward's one launch (`experts_launch.route_pairs`: the
     order and offsets of `experts.route`) where the torch route is ~8 host ops, its elementwise
     middle one launch (`experts_backward_triton.pointwise`) where the torch form is ~15."""
     return experts_backward(
@@ -301,7 +301,7 @@ def _multiply_by_reciprocals(x: torch.Tensor, temps: torch.Tensor) -> torch.Tens
     return x * torch.reciprocal(temps)[:, None]
 
 
-_FUSED_SAMPLE = _lazy("samebits.kernels.sample_triton", "sample")
+_FUSED_SAMPLE = _lazy("samebits.kernels.sample_launch", "sample")
 
 
 def _sample_cpu(logits, temps, keys, random_row):
@@ -311,7 +311,7 @@ def _sample_cpu(logits, temps, keys, random_row):
 def _fused_sample_ok(logits) -> bool:
     if not triton_available():
         return False
-    from samebits.kernels.sample_triton import supported
+    from samebits.kernels.sample_launch import supported
 
     return supported(logits)
 
@@ -332,28 +332,28 @@ def _sample_fast_cuda(logits, temps, keys, random_row):
     return composite.sample_plain(logits, temps, keys, random_row, _multiply_by_reciprocals)
 
 
-_FUSED_RACE = _lazy("samebits.kernels.sample_triton", "race")
+_FUSED_RACE = _lazy("samebits.kernels.sample_launch", "race")
 
 
 def _race_cuda(lps, probs, scores, keys, random_row):
     """The race over given probabilities: on CUDA one launch with the noise in registers
-    (`sample_triton.race`, the composite's bits: integer noise, IEEE division, libdevice log,
+    (`sample_launch.race`, the composite's bits: integer noise, IEEE division, libdevice log,
     argmax's rules), else op by op (`kernels.sample.race`)."""
     if triton_available():
-        from samebits.kernels.sample_triton import race_supported
+        from samebits.kernels.sample_launch import race_supported
 
         if race_supported(probs):
             return _FUSED_RACE(lps, probs, scores, keys, random_row)
     return race(lps, probs, scores, keys, random_row)
 
 
-_FUSED_LOG_SOFTMAX = _lazy("samebits.kernels.sample_triton", "log_softmax")
+_FUSED_LOG_SOFTMAX = _lazy("samebits.kernels.sample_launch", "log_softmax")
 _LOG_SOFTMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _log_softmax_cuda(x, dim, out_dtype, tree):
     """batch_invariant()'s log_softmax on CUDA: over the last dim of a float32/bf16/fp16 x with
-    rows of 4097..524288 elements, the fused kernels (`sample_triton.log_softmax`: the
+    rows of 4097..524288 elements, the fused kernels (`sample_launch.log_softmax`: the
     sampler's log-prob for every id, the same roundings as the composite, no [N, V]
     temporaries); else the composite with the device's tree."""
     if x.dim() >= 1 and dim in (-1, x.dim() - 1) and x.dtype in _LOG_SOFTMAX_DTYPES:  # else aten's checks
@@ -424,7 +424,7 @@ def _experts_slots_cuda(x, index, weights, gate_up, down):
 def _sum_slots_cuda(slots, dtype):
     if not triton_available():
         return sum_slots_ref(slots, dtype)
-    from samebits.kernels.experts_triton import slot_sum
+    from samebits.kernels.experts_launch import slot_sum
 
     return slot_sum(slots, dtype)
 
