@@ -399,3 +399,80 @@ def test_bracket_errors(loop):
     assert not ok and "POST /init_weight_transfer_engine first" in message  # no communicator
     ok, (_, message) = _call(loop, "init_transfer_engine", init_info={})
     assert not ok and "CUDA" in message
+
+
+# -- the four endpoints over HTTP, on a CPU engine ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    from serve_server import Server
+
+    srv = Server(tiny, "--max-num-seqs", "2", "--max-model-len", "64")
+    yield srv
+    srv.stop()
+
+
+def _post(server, path: str, body=None):
+    import httpx
+
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60)
+
+
+def _digests(server) -> dict:
+    return _post(server, "/weight_digests", {})
+
+
+TRL_INIT = {"master_address": "127.0.0.1", "master_port": 51216, "rank_offset": 1, "world_size": 2}
+
+
+def test_http_a_cpu_engine_refuses_init_naming_cuda_and_offers_sglangs(server):
+    import httpx
+
+    config = httpx.get(f"{server.url}/server_info", params={"config_format": "json"}, timeout=60).json()
+    assert config["vllm_config"]["weight_transfer_config"]["backend"] == "sglang"  # not nccl on a CPU
+    r = _post(server, "/init_weight_transfer_engine", {"init_info": TRL_INIT | {"packed": True}})
+    assert r.status_code == 400 and "CUDA" in r.json()["error"]["message"]
+    r = _post(server, "/init_weight_transfer_engine", {"init_info": TRL_INIT | {"pakced": True}})
+    assert r.status_code == 400 and "init_info.pakced" in r.json()["error"]["message"]  # a misspelt field
+
+
+def test_http_bracket_and_declaration_errors_change_nothing(server):
+    before = _digests(server).json()["digests"]
+    info = {"names": ["model.norm.weight"], "dtype_names": ["bfloat16"], "shapes": [[96]]}
+    r = _post(server, "/update_weights", {"update_info": info})
+    assert r.status_code == 400 and "no update is open; POST /start_weight_update first" in r.text
+    r = _post(server, "/finish_weight_update", {})
+    assert r.status_code == 400 and "no update is open" in r.text
+    r = _post(server, "/start_weight_update", {"is_checkpoint_format": False})
+    assert r.status_code == 400 and "is_checkpoint_format" in r.text
+    r = _post(server, "/start_weight_update", {})
+    assert r.status_code == 200 and r.json()["message"] == "Weight update started"
+    assert _post(server, "/start_weight_update", {}).status_code == 400  # already open
+    for edit, expect in [
+        ({"names": ["model.nope"]}, "unknown parameter 'model.nope'"),
+        ({"shapes": [[95]]}, "model.norm.weight has shape (95,), expected (96,)"),
+        ({"dtype_names": ["float16"]}, "model.norm.weight has dtype torch.float16"),
+        ({"shapes": []}, "one entry per tensor, got 1, 1 and 0"),
+    ]:
+        r = _post(server, "/update_weights", {"update_info": info | edit})
+        assert r.status_code == 400 and expect in r.json()["error"]["message"], r.text
+    r = _post(server, "/update_weights", {"update_info": info})  # well declared: no communicator
+    assert r.status_code == 400 and "POST /init_weight_transfer_engine first" in r.text
+    r = _post(server, "/finish_weight_update", {})
+    assert r.status_code == 200 and r.json()["message"] == "Weight update finished"
+    assert r.json()["detail"].startswith("applied 0 tensors")
+    assert _digests(server).json()["digests"] == before
+    assert _post(server, "/finish_weight_update").status_code == 400  # closed: no update open
+
+
+def test_server_info_says_nccl_only_for_an_engine_on_cuda():
+    from samebits.serve.vllm_api import vllm_config
+
+    def engine(device):  # what vllm_config reads of an EngineProcess
+        return types.SimpleNamespace(call=None, device=device, path="m", max_model_len=64)
+
+    assert vllm_config(engine("cuda:0"), "m", {})["weight_transfer_config"] == {"backend": "nccl"}
+    assert vllm_config(engine("cpu"), "m", {})["weight_transfer_config"]["backend"] == "sglang"
+    in_process = types.SimpleNamespace(path="m", max_model_len=64)  # no engine process: no weight sync
+    assert vllm_config(in_process, "m", {})["weight_transfer_config"] is None
