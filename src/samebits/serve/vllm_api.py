@@ -155,31 +155,28 @@ def register(app: FastAPI, engine, model_name: str, settings: dict | None = None
 def register_transfer(app: FastAPI, engine) -> None:
     """The four weight-transfer routes, over the engine process (`EngineProcess.call`)."""
 
+    # each body's fields are the engine call's arguments
     @app.post("/init_weight_transfer_engine")
     async def init_transfer(body: InitTransfer):
-        info = body.init_info.model_dump()
-        return await _answer(engine, "Weight transfer initialized", "init_transfer_engine", init_info=info)
+        return await _answer(engine, "Weight transfer initialized", "init_transfer_engine", body)
 
     @app.post("/start_weight_update")
     async def start_update(body: StartUpdate | None = None):
-        body = body or StartUpdate()
-        return await _answer(engine, "Weight update started", "start_weight_update", **body.model_dump())
+        return await _answer(engine, "Weight update started", "start_weight_update", body or StartUpdate())
 
     @app.post("/update_weights")
     async def update_weights(body: UpdateWeights):
-        info = body.update_info.model_dump()
-        return await _answer(engine, "Weights updated", "receive_weights", update_info=info)
+        return await _answer(engine, "Weights updated", "receive_weights", body)
 
     @app.post("/finish_weight_update")
     async def finish_update(body: FinishUpdate | None = None):
-        body = body or FinishUpdate()
-        return await _answer(engine, "Weight update finished", "finish_weight_update", **body.model_dump())
+        return await _answer(engine, "Weight update finished", "finish_weight_update", body or FinishUpdate())
 
 
-async def _answer(engine, done: str, method: str, **kwargs) -> JSONResponse:
-    """vLLM's `{"message"}` on success (`detail`: what the engine did), else an OpenAI error
-    body with `weights_api.call`'s status."""
-    status, value = await call(engine, method, **kwargs)
+async def _answer(engine, done: str, method: str, body: _Body) -> JSONResponse:
+    """vLLM's `{"message": done}` on success (`detail`: what the engine did), else an OpenAI
+    error body with `weights_api.call`'s status."""
+    status, value = await call(engine, method, **body.model_dump())
     if status != 200:
         return error_response(
             status, str(value), None, "invalid_request_error" if status == 400 else "server_error"
