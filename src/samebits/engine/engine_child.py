@@ -14,6 +14,8 @@ arrive meanwhile are held and start after the call (SGLang's order); with
 `abort_all_requests` the running ones are aborted instead (finish reason "abort"), their last
 update sent before the call runs, so it carries the `weight_version` their tokens came from.
 Their checks that need no data run at once (`PRECHECK`), so a bad update answers at once.
+vLLM's /finish_weight_update closes its update on arrival, so an update opened after it is
+not the one it applies.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import traceback
 from collections import deque
 
 from samebits.weights.receiver import WeightReceiver
+from samebits.weights.vllm_receiver import VllmReceiver
 
 IMMEDIATE = (
     "init_weights_update_group",
@@ -31,6 +34,10 @@ IMMEDIATE = (
     "weight_digests",
     "weight_specs",
     "get_weight_version",
+    # vLLM's (weights.vllm_receiver): receiving stages, and changes nothing a step computes
+    "init_transfer_engine",
+    "start_weight_update",
+    "receive_weights",
 )
 WAIT_IDLE = (
     "update_weights_from_distributed",
@@ -39,9 +46,15 @@ WAIT_IDLE = (
     "release_memory_occupation",
     "resume_memory_occupation",
     "flush_cache",
+    "finish_weight_update",
 )
-IN_THREAD = ("init_weights_update_group",)  # touches no engine state until the group exists
-PRECHECK = {"update_weights_from_distributed": "check_distributed"}
+# touch no engine state until the group or communicator exists
+IN_THREAD = ("init_weights_update_group", "init_transfer_engine")
+# run on arrival; a check that returns a dict hands it on to the call as arguments
+PRECHECK = {
+    "update_weights_from_distributed": "check_distributed",
+    "finish_weight_update": "close_weight_update",  # -> {"staged": ...}: the update it closed
+}
 
 
 def main(conn, llm_kwargs: dict) -> None:
@@ -62,6 +75,7 @@ def main(conn, llm_kwargs: dict) -> None:
         "path": str(llm.path),
         "max_model_len": llm.engine.max_model_len,
         "vocab_size": llm.config.vocab_size,
+        "device": str(llm.runner.device),
     }
     conn.send(("ready", facts | {"stats": stats(llm)}))
     try:
@@ -96,6 +110,7 @@ class _Loop:
         self.conn, self.llm, self.core = conn, llm, llm.core
         self.sent: dict[str, list[int]] = {}  # request id -> tokens already sent, per sample
         self.receiver = WeightReceiver(llm)
+        self.vllm = VllmReceiver(llm)
         self.send_lock = threading.Lock()
         self.calls: deque[tuple] = deque()  # WAIT_IDLE calls waiting for the engine to drain
         self.held: list[tuple] = []  # adds that arrived behind them
@@ -168,10 +183,12 @@ class _Loop:
             return []
         if method in PRECHECK:
             try:
-                getattr(self.receiver, PRECHECK[method])(**kwargs)
+                found = getattr(self._target(PRECHECK[method]), PRECHECK[method])(**kwargs)
             except Exception as e:  # noqa: BLE001 - refused before waiting on anything
                 self._reply(call_id, False, (type(e).__name__, _message(e)))
                 return []
+            if isinstance(found, dict):
+                kwargs = kwargs | found
         in_flight = len(self.sent)
         self.calls.append((call_id, method, kwargs | {"_waited": in_flight}))
         if kwargs.get("abort_all_requests"):
@@ -200,9 +217,8 @@ class _Loop:
         if method == "get_weight_version":
             self._reply(call_id, True, {"weight_version": self.weight_version})
             return
-        target = self.receiver if hasattr(self.receiver, method) else self.llm
         try:
-            value = getattr(target, method)(**kwargs)
+            value = getattr(self._target(method), method)(**kwargs)
         except Exception as e:  # noqa: BLE001 - the caller gets it; the engine goes on
             self._reply(call_id, False, (type(e).__name__, _message(e)))
             return
@@ -212,6 +228,10 @@ class _Loop:
             how = "were aborted" if aborted else "finished on the old weights first"
             value = f"{value or 'done'} ({waited} requests in flight {how})"
         self._reply(call_id, True, value)
+
+    def _target(self, method: str):
+        """Who runs `method`: SGLang's receiver, vLLM's, or the LLM."""
+        return next((t for t in (self.receiver, self.vllm) if hasattr(t, method)), self.llm)
 
     def _reply(self, call_id: int, ok: bool, value) -> None:
         self._send(("result", call_id, ok, value))

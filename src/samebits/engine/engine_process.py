@@ -129,6 +129,7 @@ class EngineProcess:
             raise _ERRORS.get(name, RuntimeError)(message)
         self.path = Path(facts["path"])
         self.max_model_len, self.vocab_size = facts["max_model_len"], facts["vocab_size"]
+        self.device = facts["device"]  # the engine's own, e.g. "cuda:0" (vllm_api reads it)
         self._stats: dict = facts["stats"]
         self.tokenizer = load_tokenizer(self.path)
         self.error: BaseException | None = None

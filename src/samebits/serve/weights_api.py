@@ -87,16 +87,23 @@ def _answer(ok: bool, message: str, status: int = 200, **extra) -> JSONResponse:
     return JSONResponse({"success": ok, "message": message} | extra, status_code=status)
 
 
-async def _run(engine, method: str, **kwargs) -> JSONResponse:
+async def call(engine, method: str, **kwargs) -> tuple[int, object]:
+    """`engine.call` -> (200, its value), or (status, message): 503 the engine died, 500 a
+    connection broke halfway, 400 refused."""
     try:
-        value = await engine.call(method, **kwargs)
+        return 200, await engine.call(method, **kwargs)
     except EngineDeadError as e:
-        return _answer(False, str(e), 503)
+        return 503, str(e)
     except ConnectionError as e:
-        return _answer(False, str(e), 500)
+        return 500, str(e)
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
-        message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        return _answer(False, str(message), 400)
+        return 400, str(e.args[0] if isinstance(e, KeyError) and e.args else e)
+
+
+async def _run(engine, method: str, **kwargs) -> JSONResponse:
+    status, value = await call(engine, method, **kwargs)
+    if status != 200:
+        return _answer(False, value, status)
     if isinstance(value, dict):
         return _answer(True, "", **value)
     return _answer(True, "" if value is None else str(value))

@@ -32,12 +32,13 @@ from samebits.weights import ipc
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 
 
-def parse_dtype(i: int, text) -> torch.dtype:
-    """ "bfloat16" or "torch.bfloat16" (as SGLang's clients send them) -> torch dtype."""
+def parse_dtype(i: int, text, field: str = "dtypes") -> torch.dtype:
+    """ "bfloat16" or "torch.bfloat16" (as SGLang's and vLLM's clients send them) -> torch dtype;
+    ValueError naming `field`[i] otherwise."""
     name = str(text).removeprefix("torch.")
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtypes[{i}]: {text!r} is not a torch dtype name (e.g. 'bfloat16')")
+        raise ValueError(f"{field}[{i}]: {text!r} is not a torch dtype name (e.g. 'bfloat16')")
     return dtype
 
 

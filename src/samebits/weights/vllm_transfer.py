@@ -14,8 +14,8 @@ on any machine. Written from vLLM's source (vllm-project/vllm, read at commit 05
   (1 GiB by default), the tensor that crossed the line included. The receiver computes the same
   plan from (shape, dtype) alone, receives each bucket into one uint8 buffer and splits it.
 
-The NCCL communicator itself (ncclCommInitRank, the warm-up all-reduce, ncclBroadcast) is not
-built here yet: see docs/serve.md.
+The NCCL communicator (ncclCommInitRank, the warm-up all-reduce, ncclBroadcast) is
+`weights.nccl`; the engine's side of the four HTTP endpoints is `weights.vllm_receiver`.
 """
 
 from __future__ import annotations
@@ -54,11 +54,16 @@ def bucket_plan(shapes: list[list[int]], dtypes: list[torch.dtype], buffer_bytes
 
 
 def unpack(bucket: torch.Tensor, names, shapes, dtypes) -> list[tuple[str, torch.Tensor]]:
-    """One received uint8 bucket -> [(name, tensor)] (views of `bucket`; clone to keep)."""
+    """One received uint8 bucket -> [(name, tensor)]: views of `bucket` (clone to keep), or a
+    copy for a tensor whose offset is not a multiple of its dtype's size (no padding: a
+    float32 after three bfloat16 sits at byte 6), which torch cannot view."""
     sizes = [math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes, strict=True)]
     if bucket.dtype != torch.uint8 or bucket.dim() != 1 or bucket.numel() != sum(sizes):
         raise ValueError(f"bucket: expected {sum(sizes)} uint8 bytes, got {tuple(bucket.shape)} {bucket.dtype}")
     parts = bucket.split(sizes)
+    parts = [
+        p if p.storage_offset() % d.itemsize == 0 else p.clone() for p, d in zip(parts, dtypes, strict=True)
+    ]
     return [(n, p.view(d).view(s)) for n, p, s, d in zip(names, parts, shapes, dtypes, strict=True)]
 
 
