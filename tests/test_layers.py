@@ -21,7 +21,8 @@ ALLOWED = {
     "weights": set(),  # process group, IPC serialization, the receiver (duck-typed over LLM)
     "engine": {"numerics", "model", "requests", "progress", "weights"},  # progress: update_weights_from_disk
     "client": {"engine", "weights"},  # the trainer's side of weight sync
-    "serve": {"engine", "model", "requests", "cli_checks"},  # cli_checks: `samebits serve`'s option types
+    # cli_checks: `samebits serve`'s option types; weights: the vLLM transfer's buffer default
+    "serve": {"engine", "model", "requests", "cli_checks", "weights"},
     "rl": {"client", "engine", "model", "numerics", "requests", "trainer", "plotting"},
     "verify": {"engine", "model", "numerics", "requests", "trainer"},
     "integrations": {"client", "engine", "numerics", "requests", "trainer"},  # frameworks' adapters (TRL)
