@@ -246,7 +246,7 @@ def test_unsupported_configs_are_refused_with_what_to_change(ckpt):
     with pytest.raises(ValueError, match="tensor_model_parallel_size=1"):
         replica("actor_rollout_ref.rollout.tensor_model_parallel_size=2")
     with pytest.raises(ValueError, match="repetition_penalty"):
-        replica("actor_rollout_ref.rollout.repetition_penalty=1.1")
+        replica("+actor_rollout_ref.rollout.repetition_penalty=1.1")
     with pytest.raises(ValueError, match="quantization"):
         replica("actor_rollout_ref.rollout.quantization=fp8")
     config = _config(ckpt).actor_rollout_ref

@@ -36,7 +36,9 @@ from typing import Any
 import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from verl.plugin.platform import get_platform
 from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.device import get_resource_name
 from verl.workers.rollout import base as verl_rollout_base
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry, TokenOutput
@@ -91,19 +93,20 @@ def _check_model(model_config) -> None:
         raise ValueError("actor_rollout_ref.model.lora_rank > 0: samebits takes full weights; set lora_rank=0")
 
 
-def engine_options(config) -> dict:
-    """`samebits.LLM` keywords from verl's rollout config; `engine_kwargs.samebits` (any LLM
-    keyword, e.g. numerics, device, logprob_formula for controls) overrides them."""
+def engine_options(config, model_config) -> dict:
+    """`samebits.LLM` keywords from verl's rollout and model configs; `engine_kwargs.samebits`
+    (any LLM keyword: num_blocks, numerics, device, logprob_formula for controls) overrides them.
+    max_model_len None: prompt_length + response_length, capped by the model's positions."""
+    positions = model_config.hf_config.get_text_config().max_position_embeddings
     options = dict(
         dtype=config.dtype,
         max_num_seqs=config.max_num_seqs,
+        max_model_len=config.max_model_len or min(config.prompt_length + config.response_length, positions),
         enable_prefix_caching=config.enable_prefix_caching,
         logprob_formula=FORMULA,
         logprobs_mode=config.logprobs_mode or "raw_logprobs",
         device="cuda" if torch.cuda.is_available() else "cpu",
     )
-    if config.max_model_len is not None:
-        options["max_model_len"] = config.max_model_len
     return options | dict((config.engine_kwargs or {}).get(NAME) or {})
 
 
@@ -116,9 +119,8 @@ class SamebitsServer:
         self.model_config = omega_conf_to_dataclass(model_config)
         check_config(self.config)
         self.rollout_mode, self.replica_rank, self.node_rank = rollout_mode, replica_rank, node_rank
-        self.llm = LLM(self.model_config.local_path, **engine_options(self.config))
-        if self.config.max_model_len is None:  # the vLLM server's default: the engine's limit
-            self.config.max_model_len = self.llm.engine.max_model_len
+        self.llm = LLM(self.model_config.local_path, **engine_options(self.config, self.model_config))
+        self.max_model_len = self.llm.engine.max_model_len
         self.engine = AsyncEngine(self.llm)
         self.weights = LocalEngine(self.llm)  # push/mismatched: cast to the engine's dtype, load, digest
         self.global_steps = None
@@ -164,10 +166,10 @@ class SamebitsServer:
         max_new_tokens) else the configured response budget, clamped to [1, max_model_len -
         prompt]; `logprobs` True asks for the sampled token's; temperature 0 is greedy."""
         c = self.config
-        room = c.max_model_len - prompt_len
+        room = self.max_model_len - prompt_len
         if room < 1:
             raise ValueError(
-                f"a prompt of {prompt_len} tokens leaves no room within max_model_len {c.max_model_len}"
+                f"a prompt of {prompt_len} tokens leaves no room in max_model_len {self.max_model_len}"
             )
         default = min(c.response_length, c.prompt_length + c.response_length - prompt_len)
         max_tokens = sp.pop("max_tokens", sp.pop("max_new_tokens", default))
@@ -263,10 +265,7 @@ class SamebitsReplica(RolloutReplica):
 
     async def launch_servers(self):
         name = f"{NAME}_server_{self.replica_rank}_0{self.name_suffix}"
-        options = dict(name=name, max_concurrency=self.max_concurrency)
-        if self.workers:  # hybrid: on the node of the trainer rank it shares a device with
-            node = await self.workers[0].__ray_call__.remote(lambda w: ray.get_runtime_context().get_node_id())
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+        options = dict(name=name, max_concurrency=self.max_concurrency) | await self._placement()
         server = self.server_class.options(**options).remote(
             config=self.config, model_config=self.model_config, rollout_mode=self.rollout_mode,
             replica_rank=self.replica_rank,
@@ -274,6 +273,26 @@ class SamebitsReplica(RolloutReplica):
         self.servers = [server]
         self._server_handle = server
         self._server_address, _ = await server.get_server_address.remote()
+
+    async def _placement(self) -> dict:
+        """Ray options that put the server on its device. Hybrid: the node and accelerator of the
+        trainer rank it shares them with, as `vLLMReplica.launch_servers` does (Ray told not to
+        reset the visible devices); standalone: one GPU where the cluster has any, else the CPU."""
+        if not self.workers:
+            return {"num_gpus": 1} if ray.cluster_resources().get("GPU", 0) > 0 else {}
+
+        def where(worker):
+            ids = ray.get_runtime_context().get_accelerator_ids().get(get_resource_name()) or []
+            return ray.get_runtime_context().get_node_id(), ids
+
+        node, ids = await self.workers[0].__ray_call__.remote(where)
+        env = {var: "1" for var in get_platform().ray_noset_envvars()} | get_platform().rollout_env_vars()
+        if ids:
+            env["CUDA_VISIBLE_DEVICES"] = str(ids[0])
+        return {
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False),
+            "runtime_env": {"env_vars": env},
+        }
 
 
 class ServerAdapter(BaseRollout):
