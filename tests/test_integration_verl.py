@@ -47,6 +47,7 @@ from verl.utils.torch_functional import logprobs_from_logits  # noqa: E402
 from verl.workers.engine.fsdp.transformer_impl import _scale_logits_by_temperature  # noqa: E402
 from verl.workers.rollout.base import get_rollout_class  # noqa: E402
 from verl.workers.rollout.llm_server import LLMServerManager  # noqa: E402
+from verl.workers.rollout.replica import RolloutMode  # noqa: E402
 
 import samebits  # noqa: E402
 from samebits import trainer as sb  # noqa: E402
@@ -255,3 +256,34 @@ def test_unsupported_configs_are_refused_with_what_to_change(ckpt):
         asyncio.run(adapter.update_weights(iter([]), wire_format="delta_flush"))
     with pytest.raises(NotImplementedError, match="LoRA"):
         asyncio.run(adapter.update_weights(iter([]), peft_config={"r": 8}))
+
+
+def test_the_server_maps_verls_sampling_dict_as_vllms_server_does(ckpt):
+    """`SamebitsServer` in this process (verl runs it as a Ray actor): the vLLM server's rules
+    for max_tokens, refusals by name, log_probs only when asked, the hybrid sleep/wake cycle."""
+    config = _config(ckpt).actor_rollout_ref
+    server = sbverl.SamebitsServer(config.rollout, config.model, RolloutMode.HYBRID, replica_rank=0)
+    try:
+        verls = dict(temperature=T, top_p=1.0, top_k=-1, repetition_penalty=1.0, logprobs=True)
+        sp = server.sampling_params(5, dict(verls))
+        assert (sp.temperature, sp.top_p, sp.top_k, sp.max_tokens) == (T, 1.0, -1, 6)  # response_length
+        assert server.sampling_params(5, verls | {"max_tokens": 1000}).max_tokens == 64 - 5  # max_model_len
+        assert server.sampling_params(5, verls | {"max_new_tokens": 2}).max_tokens == 2
+        with pytest.raises(ValueError, match="no room"):
+            server.sampling_params(64, dict(verls))
+        with pytest.raises(ValueError, match="min_p"):
+            server.sampling_params(5, verls | {"min_p": 0.1})
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            server.sampling_params(5, verls | {"repetition_penalty": 1.1})
+        out = asyncio.run(server.generate([5, 6, 7], verls | {"logprobs": False, "max_tokens": 2}, "a"))
+        assert len(out.token_ids) == 2 and out.log_probs is None and out.stop_reason == "completed"
+        asyncio.run(server.sleep())
+        assert server.llm.asleep
+        asyncio.run(server.wake_up(["weights"]))  # verl's worker: weights first, the KV cache after the push
+        assert server.llm.asleep
+        asyncio.run(server.wake_up(["kv_cache"]))
+        assert not server.llm.asleep
+        out = asyncio.run(server.generate([5, 6, 7], verls | {"max_tokens": 2}, "b"))
+        assert len(out.log_probs) == len(out.token_ids) == 2
+    finally:
+        server.engine.close()

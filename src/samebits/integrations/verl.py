@@ -149,13 +149,16 @@ class SamebitsServer:
         await self._gate.wait()
         prompt_ids = [int(t) for t in prompt_ids]
         params = self.sampling_params(len(prompt_ids), dict(sampling_params))
+        want_logprobs = bool(sampling_params.get("logprobs", False))  # the sampled token's: always computed
         final = None
         async for out in self.engine.generate(prompt_ids, params, request_id):
             final = out
         extra = {"global_steps": self.global_steps, "num_cached_tokens": None}
         return TokenOutput(
             token_ids=list(final.token_ids),
-            log_probs=final.logprobs.tolist() if params.logprobs is not None else None,  # float32 -> float
+            log_probs=final.logprobs.tolist()
+            if want_logprobs
+            else None,  # float32 -> float -> the same float32
             stop_reason=_FINISHED.get(final.finish_reason, final.finish_reason),
             num_preempted=final.num_preemptions,
             extra_fields=extra,
@@ -164,7 +167,8 @@ class SamebitsServer:
     def sampling_params(self, prompt_len: int, sp: dict) -> SamplingParams:
         """verl's sampling dict -> SamplingParams, by the vLLM server's rules: max_tokens (or
         max_new_tokens) else the configured response budget, clamped to [1, max_model_len -
-        prompt]; `logprobs` True asks for the sampled token's; temperature 0 is greedy."""
+        prompt]; temperature 0 is greedy. `logprobs` (True: the sampled token's, which samebits
+        always reports) asks for no top-k list."""
         c = self.config
         room = self.max_model_len - prompt_len
         if room < 1:
@@ -189,7 +193,6 @@ class SamebitsServer:
             ignore_eos=bool(sp.get("ignore_eos", c.ignore_eos)),
             stop_token_ids=tuple(stops) if stops else None,
             seed=seed,
-            logprobs=0 if sp.get("logprobs", False) else None,
             detokenize=False,
         )
 
