@@ -250,6 +250,8 @@ def test_unsupported_configs_are_refused_with_what_to_change(ckpt):
         replica("+actor_rollout_ref.rollout.repetition_penalty=1.1")
     with pytest.raises(ValueError, match="quantization"):
         replica("actor_rollout_ref.rollout.quantization=fp8")
+    with pytest.raises(ValueError, match="lora.merge=True"):
+        replica("actor_rollout_ref.model.lora_rank=8")
     config = _config(ckpt).actor_rollout_ref
     adapter = sbverl.ServerAdapter(config.rollout, config.model, device_mesh=None)
     with pytest.raises(NotImplementedError, match="named_tensors"):

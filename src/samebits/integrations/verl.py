@@ -89,8 +89,13 @@ def check_config(config) -> None:
 
 
 def _check_model(model_config) -> None:
-    if getattr(model_config, "lora_rank", 0) or (getattr(model_config, "lora", None) or {}).get("rank", 0):
-        raise ValueError("actor_rollout_ref.model.lora_rank > 0: samebits takes full weights; set lora_rank=0")
+    """LoRA only merged into the weights verl sends (verl's worker then sends no adapter)."""
+    lora = getattr(model_config, "lora", None) or {}
+    if (getattr(model_config, "lora_rank", 0) or lora.get("rank", 0)) and not lora.get("merge", False):
+        raise ValueError(
+            "LoRA as an adapter: samebits takes full weights; set actor_rollout_ref.model.lora.merge=True "
+            "(verl merges the adapter before each push) or lora_rank=0"
+        )
 
 
 def engine_options(config, model_config) -> dict:
