@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from omni_transformers import needs_omni_transformers
 
 from samebits import LLM, SamplingParams, trainer
 from samebits.model.config_files import UnsupportedCheckpointError
@@ -246,6 +247,7 @@ def _break_omni(src: Path, dst: Path, edit, layout: str) -> Path:
 @pytest.mark.parametrize("loader", OMNI_LOADERS)
 @pytest.mark.parametrize("layout", ["thinker", "full"])
 @pytest.mark.parametrize("case", OMNI_CASES, ids=[c[0] for c in OMNI_CASES])
+@needs_omni_transformers
 def test_omni_config_refused_by_engine_and_trainer(omni, tmp_path, case, layout, loader):
     name, edit, field = case
     path = _break_omni(omni[layout], tmp_path / name, edit, layout)
@@ -263,12 +265,14 @@ def test_omni_model_type_must_match_architectures(omni, tmp_path, layout):
     _assert_refused(check_checkpoint_config, path, CFG, r"architectures .* do not match model_type")
 
 
+@needs_omni_transformers
 def test_full_omni_without_thinker_config_refused(omni, tmp_path):
     path = _break(omni["full"], tmp_path / "no_thinker", CFG, _edit(_drop=["thinker_config"]))
     _assert_refused(check_checkpoint_config, path, CFG, r"thinker_config\.text_config is missing")
 
 
 @pytest.mark.parametrize("layout", ["thinker", "full"])
+@needs_omni_transformers
 def test_omni_good_config_loads(omni, layout):
     cfg = check_checkpoint_config(omni[layout])
     assert isinstance(cfg, OmniConfig) and cfg.mrope_section == (4, 4, 4)

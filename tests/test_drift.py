@@ -21,6 +21,7 @@ import warnings
 import pytest
 import torch
 import transformers
+from omni_transformers import needs_omni_transformers
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
 
@@ -279,6 +280,7 @@ def _deepstack_rows_reordered(self, hidden_states, visual_pos_masks, visual_embe
     return hidden_states
 
 
+@needs_omni_transformers
 def test_the_thinkers_pieces_are_probed_and_pass(thinker, monkeypatch):
     pieces = _pieces(thinker, monkeypatch)
     for piece in ("RMSNorm", "M-RoPE", "rotary application", "router", "residual order", "deepstack add"):
@@ -292,6 +294,7 @@ def test_the_thinkers_pieces_are_probed_and_pass(thinker, monkeypatch):
         ("Qwen3OmniMoeThinkerTextModel._deepstack_process", _deepstack_rows_reordered, "deepstack add"),
     ],
 )
+@needs_omni_transformers
 def test_control_the_thinkers_changed_piece_is_refused_by_name(thinker, monkeypatch, attr, changed, piece):
     from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as omni
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omni_transformers import needs_omni_transformers
 
 from samebits import LLM, SamplingParams, batch_invariant, trainer
 from samebits.model import families
@@ -41,6 +42,7 @@ def _params(n, tokens=10):
     return [SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=20 + i) for i in range(n)]
 
 
+@needs_omni_transformers
 def test_omni_shared_weights_are_the_trainers_tensors_and_stay_bitwise(omni):
     hf = trainer.load_hf_thinker(omni)
     named = dict(hf.named_parameters())
@@ -68,6 +70,7 @@ def test_omni_shared_weights_are_the_trainers_tensors_and_stay_bitwise(omni):
         (lambda s: s.update({"lm_head.weight": s["lm_head.weight"].float()}), "float32"),
     ],
 )
+@needs_omni_transformers
 def test_omni_shared_weights_that_do_not_fit_are_refused_by_name(omni, edit, match):
     state = {n: p.detach() for n, p in trainer.load_hf_thinker(omni).named_parameters()}
     edit(state)
@@ -75,6 +78,7 @@ def test_omni_shared_weights_that_do_not_fit_are_refused_by_name(omni, edit, mat
         LLM(omni, weights=state.items(), max_model_len=64)
 
 
+@needs_omni_transformers
 def test_omni_fast_profile_runs_and_is_not_the_exact_numerics(omni):
     prompts, greedy = _prompts(), [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 3
     fast = LLM(omni, numerics="fast", max_num_seqs=3, max_model_len=MAX_LEN).generate(prompts, greedy)

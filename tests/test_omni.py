@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from omni_transformers import skip_module_without_omni_transformers
 
 from samebits import LLM, SamplingParams, batch_invariant, trainer
 from samebits.engine.digest import tensor_digest
@@ -23,6 +24,8 @@ from samebits.model.qwen3_omni.tiny import (
     make_prompt,
 )
 from samebits.requests import MultimodalPrompt
+
+skip_module_without_omni_transformers()  # PROMPTS below call transformers' audio lengths
 
 MAX_LEN = 160
 

@@ -10,6 +10,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from omni_transformers import needs_omni_transformers
 
 pytestmark = pytest.mark.gpu
 
@@ -32,6 +33,7 @@ def _check(results):
     assert any(not r.exact for r in results)
 
 
+@needs_omni_transformers
 def test_tiny_thinker_parity_cuda(tmp_path):
     from samebits.model.qwen3_omni.tiny import build_tiny_omni_checkpoint
 
@@ -40,6 +42,7 @@ def test_tiny_thinker_parity_cuda(tmp_path):
     _check(probe.run(path, probe.tiny_prompts(), "cuda", tokens=64, seed=0, log=lambda *_: None))
 
 
+@needs_omni_transformers
 def test_real_shape_thinker_cut_parity_cuda(tmp_path):
     probe = _probe()
     path = probe.write_random_thinker(tmp_path / "real", layers=2, seed=0, device="cuda")

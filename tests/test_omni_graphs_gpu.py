@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from omni_transformers import needs_omni_transformers
 
 from samebits import LLM, SamplingParams
 from samebits.engine.cuda_graphs import DecodeGraphs
 from samebits.model.qwen3_omni.tiny import audio_part, build_tiny_omni_checkpoint, image_part, make_prompt
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, needs_omni_transformers]
 
 KINDS = ("text", "image", "video", "audio", "mixed")
 

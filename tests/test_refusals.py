@@ -14,6 +14,7 @@ import socket
 
 import pytest
 import torch
+from omni_transformers import needs_omni_transformers
 from safetensors.torch import load_file, save_file
 
 from samebits import LLM, SamplingParams, trainer
@@ -155,6 +156,7 @@ def test_shared_weights_refuse_nan(tiny):
         LLM(tiny, weights=state.items(), max_model_len=64)
 
 
+@needs_omni_transformers
 def test_omni_loader_refuses_nan_and_corrupt_files(tmp_path):
     from samebits.model.qwen3_omni.loader import load_thinker_weights
     from samebits.model.qwen3_omni.tiny import build_tiny_omni_checkpoint

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from omni_transformers import needs_omni_transformers
 
 from samebits import batch_invariant, trainer
 from samebits.trainer import attention_forward, forwards
@@ -353,6 +354,7 @@ def test_routers_without_renorm_same_bits_and_gradients(checkpoints, shape):
         assert ((gg[name] - gw[name]).norm() / gw[name].norm()).item() < 1e-5, name
 
 
+@needs_omni_transformers
 def test_the_omni_thinker_text_norms_and_routers_are_recognized(tmp_path):
     from samebits.model.qwen3_omni.tiny import build_tiny_omni_checkpoint
 

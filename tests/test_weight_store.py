@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 from conftest import SHAPES
+from omni_transformers import needs_omni_transformers
 from safetensors.torch import load_file, save_file
 
 from samebits import LLM, SamplingParams
@@ -352,6 +353,7 @@ def test_cuda_release_frees_memory_and_graphs_replay_the_pushed_weights(checkpoi
     assert _same_outs(_outs(llm), _outs(fresh))
 
 
+@needs_omni_transformers
 def test_omni_thinker_per_expert_names_and_from_disk(tmp_path, checkpoints):
     """The thinker's names (`model.language_model.layers...`): per-expert updates and a
     full Omni checkpoint (per-expert, under `thinker.`) over a fused thinker-only one."""

@@ -6,6 +6,10 @@ text decoder is a Qwen3-MoE decoder (`ModelConfig`, from the thinker's `text_con
 rest is what the engine needs to place multimodal features and compute M-RoPE positions.
 The encoders are transformers' own modules, built from the thinker's `vision_config` /
 `audio_config` as they stand.
+
+Every Omni config is read through `OmniConfig.from_hf`, which first refuses a transformers
+older than `OMNI_TRANSFORMERS` (`check_omni_transformers`): the engine's thinker names, its
+audio lengths and the trainer's thinker modules follow transformers 5.21's thinker.
 """
 
 from __future__ import annotations
@@ -28,6 +32,28 @@ OMNI_ARCHITECTURES = (OMNI_FULL, OMNI_THINKER)
 _MODEL_TYPES = {"qwen3_omni_moe": OMNI_FULL, "qwen3_omni_moe_thinker": OMNI_THINKER}
 _TOKEN_FIELDS = ("image_token_id", "video_token_id", "audio_token_id", "vision_start_token_id")
 _TOKEN_FIELDS += ("audio_start_token_id",)
+# The oldest transformers the thinker runs on. Before it (seen: 5.10.4, 5.17.0, 5.20.2) the thinker
+# holds its text model, `visual` and `audio_tower` at the top (5.21: `model.language_model`,
+# `model.visual`, `model.audio_tower`), and 5.10.4's `_get_feat_extract_output_lengths` takes no
+# `n_window` (docs/transformers-versions.md). `packaging` comes with transformers.
+OMNI_TRANSFORMERS = "5.21"
+
+
+def check_omni_transformers(version: str | None = None) -> None:
+    """Refuse (UnsupportedCheckpointError) a transformers older than OMNI_TRANSFORMERS;
+    `version`: the installed transformers' unless given."""
+    from packaging.version import Version
+
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    if Version(version) < Version(OMNI_TRANSFORMERS):
+        raise UnsupportedCheckpointError(
+            f"Qwen3-Omni needs transformers>={OMNI_TRANSFORMERS} (older releases lay out the thinker "
+            f"differently); you have {version}; pip install 'transformers>={OMNI_TRANSFORMERS},<6' "
+            "(Qwen3-MoE runs on 5.10.4 and newer)"
+        )
 
 
 @dataclass(frozen=True)
@@ -84,7 +110,9 @@ class OmniConfig:
     @classmethod
     def from_hf(cls, hf, raw: dict, eos: tuple[int, ...] | None = None) -> OmniConfig:
         """The validated view of transformers' `Qwen3OmniMoeConfig` / `Qwen3OmniMoeThinkerConfig`
-        (`raw`: the config.json dict it came from; `eos`: None for the text_config's)."""
+        (`raw`: the config.json dict it came from; `eos`: None for the text_config's). A
+        transformers older than OMNI_TRANSFORMERS is refused first."""
+        check_omni_transformers()
         arch = _MODEL_TYPES[raw["model_type"]]
         full = arch == OMNI_FULL
         thinker, raw_thinker = (hf.thinker_config, raw.get("thinker_config")) if full else (hf, raw)

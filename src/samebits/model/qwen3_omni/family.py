@@ -22,7 +22,7 @@ import torch
 from samebits.model.config_match import config_differences, refuse_other_shape
 from samebits.model.family import build_model
 from samebits.model.host_copy import to_device
-from samebits.model.qwen3_omni.config import OmniConfig, omni_architecture
+from samebits.model.qwen3_omni.config import OmniConfig, check_omni_transformers, omni_architecture
 from samebits.model.qwen3_omni.inputs import MultimodalState, check_prompt, encode, new_state
 from samebits.model.qwen3_omni.loader import (
     ThinkerWeights,
@@ -149,7 +149,11 @@ class Qwen3OmniFamily:
 
     @staticmethod
     def trainer_prompts(sequences, prompt_lens, multimodal) -> list[MultimodalPrompt]:
-        """multimodal[i]: sequence i's prompt as given to `LLM.generate` (None: text only)."""
+        """multimodal[i]: sequence i's prompt as given to `LLM.generate` (None: text only).
+        The trainer's first call on a thinker it did not load (`token_logprobs` on a user's
+        model): a transformers older than OMNI_TRANSFORMERS is refused here, not as an
+        AttributeError of its other thinker layout."""
+        check_omni_transformers()
         prompts = []
         for i, (seq, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
             mm = as_multimodal(multimodal[i]) if multimodal is not None and multimodal[i] is not None else None
