@@ -5,7 +5,8 @@
 Writes a random checkpoint (fused experts layout) through samebits' own saver,
 then runs `samebits.verify.run` on it: rollout seq0 alone and 4 concurrent
 requests (prompts 10/16/16/24), trainer one at a time and packed-4, and the
-grouped_mm / sdpa negative controls.
+grouped_mm / sdpa negative controls. `--logprob-formula trl` (or verl, ...): the engine and
+the trainer on that framework's line, the control a neighbouring line.
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument(
+        "--logprob-formula",
+        default="log_softmax",
+        help="the line the engine reports and the trainer recomputes (docs/logprobs.md); other "
+        "than log_softmax, the control is the trainer on a neighbouring line",
+    )
     p.add_argument("--dir", default="/dev/shm/samebits-probe")
     p.add_argument("--out", default=None)
     p.add_argument("--reuse", action="store_true", help="use the checkpoint already in --dir")
@@ -47,7 +54,12 @@ def main() -> None:
     print(f"checkpoint: {args.layers} layers at {path} in {time.time() - t0:.0f} s", flush=True)
     t0 = time.time()
     results = verify.run(
-        model=path, device="cuda", tokens=args.tokens, seed=args.seed, temperature=args.temperature
+        model=path,
+        device="cuda",
+        tokens=args.tokens,
+        seed=args.seed,
+        temperature=args.temperature,
+        logprob_formula=args.logprob_formula,
     )
     print(f"probe: {time.time() - t0:.0f} s", flush=True)
     verify.print_table(results)

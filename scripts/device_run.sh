@@ -13,6 +13,8 @@
 #   bash scripts/device_run.sh profile     # benchmarks/decode_profile.py, every kernel of a decode step
 #                                          # at batch 1 and 64, exact and fast, 48 layers (~300 s)
 #   bash scripts/device_run.sh probe       # the 48-layer probe: 0 mismatches in every exact arm
+#   bash scripts/device_run.sh probe-formulas  # the 48-layer probe on the trl and verl lines at
+#                                          # T 0.7 and 1.3 (issue 42), 300 tokens a request
 #
 # Run from the repository root on the device machine, with `.whl` carried (scripts/device_wheels.sh
 # fetches it here). Logs and JSONs go to $OUT (the device tool's folder that comes back).
@@ -20,9 +22,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-tests-new | tests-all | sample | tiles | prefill-ab | budget | bench | profile | probe) ;;
+tests-new | tests-all | sample | tiles | prefill-ab | budget | bench | profile | probe | probe-formulas) ;;
 *)
-    sed -n 2,19p "$0"
+    sed -n 2,21p "$0"
     exit 2
     ;;
 esac
@@ -103,5 +105,14 @@ probe)
     checkpoint
     run probe python3 benchmarks/probe_real_shape.py --layers 48 --tokens 500 --dir $q48 --reuse \
         --out "$OUT/probe.json"
+    ;;
+probe-formulas)
+    checkpoint
+    for formula in trl verl; do
+        for t in 0.7 1.3; do
+            run "probe-$formula-$t" python3 benchmarks/probe_real_shape.py --layers 48 --tokens 300 --dir $q48 \
+                --reuse --logprob-formula $formula --temperature $t --out "$OUT/probe-$formula-$t.json"
+        done
+    done
     ;;
 esac

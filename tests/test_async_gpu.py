@@ -226,7 +226,7 @@ def test_an_eager_step_launched_ahead_does_not_wait_for_the_step_before(path, mo
     waited = []
     monkeypatch.setattr(ModelRunner, "launch", checked(waited))
     monkeypatch.setattr(
-        runner_mod, "sample_pending", lambda logits, reqs: Pending.done(sample(logits, reqs), "cuda")
+        runner_mod, "sample_pending", lambda logits, reqs, head=None: Pending.done(sample(logits, reqs, head), "cuda")
     )
     llm.generate(prompts, params, progress=False)
     assert waited and not any(waited)

@@ -46,7 +46,7 @@ def _verl_v2(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def _verl(logits: torch.Tensor, ids: torch.Tensor, t: float) -> torch.Tensor:
     """verl's FSDP engine: logits divided by T rounded to their dtype (skipped at T = 1), then v2."""
     if t != 1.0:
-        logits = logits / torch.tensor([t]).clamp(min=1e-8).to(logits.dtype)
+        logits = logits / torch.tensor([t], device=logits.device).clamp(min=1e-8).to(logits.dtype)
     return _verl_v2(logits, ids).float()
 
 
@@ -62,6 +62,9 @@ def _theirs(formula: str, hidden, weight, logits, ids: torch.Tensor, t: float) -
     if formula == "verl":
         return _verl(logits, ids, t)
     pytest.importorskip("trl")
+    # TRL's Triton kernels read the ids at stride 1, and TRL passes them contiguous (`labels[mask]`,
+    # gathered completion ids): a column of an [n, k] table goes in as TRL's own would
+    ids = ids.contiguous()
     if formula == "trl_selective":
         try:
             from trl.trainer.utils import selective_log_softmax

@@ -51,3 +51,22 @@ def test_compare_counts_bits():
     b[1] = torch.nextafter(b[1], torch.tensor(0.0))  # one ulp
     r = verify.compare("x", 0, True, b, a)
     assert r.mismatches == 1 and r.first_mismatch == 1 and r.max_abs_diff > 0
+
+
+def test_verify_on_a_framework_line_checks_it_and_its_neighbour_control_differs(tmp_path, monkeypatch):
+    monkeypatch.setenv("SAMEBITS_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "v.json"
+    assert main(["verify", "--tokens", "10", "--temperature", "0.7", "--logprob-formula", "verl", "--json", str(out)]) == 0
+    arms = json.loads(out.read_text())["arms"]
+    exact = [a for a in arms if a["exact"]]
+    assert {a["arm"] for a in exact} == {"rollout alone vs batched", "trainer one-at-a-time, verl", "trainer packed, verl"}
+    assert all(a["mismatches"] == 0 for a in exact)
+    assert {a["arm"] for a in arms if not a["exact"]} == {"NEG log_softmax line, packed"}
+    assert sum(a["mismatches"] for a in arms if not a["exact"]) > 0
+
+
+def test_verify_refuses_an_unknown_formula_before_any_rollout():
+    import pytest
+
+    with pytest.raises(ValueError, match="logprob_formula must be"):
+        verify.run(logprob_formula="softmax", log=lambda *_: None)

@@ -8,6 +8,7 @@ import sys
 
 from samebits import __version__, cli_checks
 from samebits.cli_checks import refuse
+from samebits.requests.sampling_params import LOGPROB_FORMULAS
 from samebits.rl import cli as rl_cli
 from samebits.serve import cli as serve_cli
 
@@ -24,6 +25,7 @@ def _verify(args) -> int:
             seed=args.seed,
             prompt_lens=args.prompt_lens,
             temperature=args.temperature,
+            logprob_formula=args.logprob_formula,
         )
     except (ValueError, FileNotFoundError) as e:  # a refused checkpoint or setting, before any rollout
         refuse("samebits verify", str(e))
@@ -66,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="sampling temperature; the trainer recomputes log_softmax(logits.float() / T) "
         "(0: greedy, log-probs at T = 1; other than 0 and 1 adds a 1/T-rounding control) (default 1.0)",
+    )
+    v.add_argument(
+        "--logprob-formula",
+        default="log_softmax",
+        choices=LOGPROB_FORMULAS,
+        help="the trainer line the engine reports and the trainer recomputes (docs/logprobs.md); "
+        "other than log_softmax, the controls are one: the trainer on a neighbouring line "
+        "(default log_softmax)",
     )
     v.add_argument(
         "--prompt-lens",

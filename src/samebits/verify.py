@@ -6,6 +6,10 @@ forward and all packed into one forward, under `batch_invariant()`. Negative
 controls switch one piece of the trainer back to stock transformers
 (`grouped_mm` experts; `sdpa` attention) and must show mismatches: a check
 that cannot fail proves nothing.
+
+With a `logprob_formula` other than log_softmax (docs/logprobs.md), the engine reports that
+framework's line and the trainer recomputes it; the control is the trainer on the formula's
+neighbour line (`CONTROL_LINE`), which must mismatch on the same tokens.
 """
 
 from __future__ import annotations
@@ -24,6 +28,15 @@ from samebits.numerics.batch_invariant import batch_invariant
 from samebits.requests import SamplingParams
 
 DEFAULT_PROMPT_LENS = (10, 16, 16, 24)
+# each named formula's control: a neighbouring line whose bits differ from it (cross_entropy and
+# log_softmax are the same bits, so neither is the other's control)
+CONTROL_LINE = {
+    "trl": "logsumexp",
+    "trl_selective": "verl",
+    "verl": "log_softmax",
+    "logsumexp": "log_softmax",
+    "cross_entropy": "logsumexp",
+}
 
 
 @dataclass
@@ -72,7 +85,9 @@ def other_device_rounding(temperature: float):
     return logprob_fn
 
 
-def _trainer_logprobs(path, device, dtype, seqs, prompt_lens, packed, temperature, invariant=True, **impl):
+def _trainer_logprobs(
+    path, device, dtype, seqs, prompt_lens, packed, temperature, invariant=True, formula="log_softmax", **impl
+):
     from samebits import trainer
 
     fn = impl.pop("logprob_fn", None)
@@ -80,7 +95,13 @@ def _trainer_logprobs(path, device, dtype, seqs, prompt_lens, packed, temperatur
     try:
         with batch_invariant() if invariant else contextlib.nullcontext():
             lps = trainer.token_logprobs(
-                model, seqs, prompt_lens, packed=packed, temperature=temperature, logprob_fn=fn
+                model,
+                seqs,
+                prompt_lens,
+                packed=packed,
+                temperature=temperature,
+                logprob_fn=fn,
+                logprob_formula=formula,
             )
         return [lp.cpu() for lp in lps]
     finally:
@@ -103,17 +124,24 @@ def run(
     prompt_lens=DEFAULT_PROMPT_LENS,
     log=print,
     temperature: float = 1.0,
+    logprob_formula: str = "log_softmax",
 ) -> list[ArmResult]:
     """Run the probe matrix at one sampling temperature; returns one ArmResult per (arm,
     sequence). At a temperature other than 0 and 1, one more control: the trainer's line with
-    1 / T rounded as the other device rounds it (`other_device_rounding`)."""
+    1 / T rounded as the other device rounds it (`other_device_rounding`). Another
+    `logprob_formula`: the engine and the trainer both on that line, and one control, the
+    trainer on `CONTROL_LINE[formula]`."""
+    if logprob_formula != "log_softmax" and logprob_formula not in CONTROL_LINE:
+        raise ValueError(f"logprob_formula must be log_softmax or one of {sorted(CONTROL_LINE)}, got {logprob_formula!r}")
     if model is None:
         from samebits.model.qwen3_moe.tiny import tiny_checkpoint_cache
 
         model = tiny_checkpoint_cache(seed=seed)
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
     max_len = max(prompt_lens) + tokens
-    llm = LLM(model, device=device, dtype=dtype, max_num_seqs=8, max_model_len=max_len)
+    llm = LLM(
+        model, device=device, dtype=dtype, max_num_seqs=8, max_model_len=max_len, logprob_formula=logprob_formula
+    )
     prompts = make_prompts(prompt_lens, llm.config.vocab_size, seed)
     params = [
         SamplingParams(
@@ -150,11 +178,19 @@ def run(
         else ("NEG stock kernels, packed", False, True, {"invariant": False}),
         ("NEG sdpa attention, packed", False, True, {"attn_implementation": "sdpa"}),
     ]
-    if temperature not in (0.0, 1.0):
+    if logprob_formula != "log_softmax":  # the line is the claim: its control is another line
+        control = CONTROL_LINE[logprob_formula]
+        arms = [
+            (f"trainer one-at-a-time, {logprob_formula}", True, False, {}),
+            (f"trainer packed, {logprob_formula}", True, True, {}),
+            (f"NEG {control} line, packed", False, True, {"formula": control}),
+        ]
+    elif temperature not in (0.0, 1.0):
         fn = other_device_rounding(temperature)
         arms.append(("NEG 1/T as other device, packed", False, True, {"logprob_fn": fn}))
     for name, exact, packed, impl in arms:
         log(f"trainer: {name}")
+        impl = {"formula": logprob_formula} | impl
         lps = _trainer_logprobs(model, device, torch_dtype, seqs, plens, packed, temperature, **impl)
         results += [compare(name, i, exact, lps[i], rollout[i]) for i in range(len(seqs))]
     return results
