@@ -225,8 +225,10 @@ def test_an_eager_step_launched_ahead_does_not_wait_for_the_step_before(path, mo
 
     waited = []
     monkeypatch.setattr(ModelRunner, "launch", checked(waited))
-    monkeypatch.setattr(
-        runner_mod, "sample_pending", lambda logits, reqs, head=None: Pending.done(sample(logits, reqs, head), "cuda")
-    )
+
+    def read_back(logits, reqs, head=None):
+        return Pending.done(sample(logits, reqs, head), "cuda")
+
+    monkeypatch.setattr(runner_mod, "sample_pending", read_back)
     llm.generate(prompts, params, progress=False)
     assert waited and not any(waited)

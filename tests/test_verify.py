@@ -56,10 +56,12 @@ def test_compare_counts_bits():
 def test_verify_on_a_framework_line_checks_it_and_its_neighbour_control_differs(tmp_path, monkeypatch):
     monkeypatch.setenv("SAMEBITS_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "v.json"
-    assert main(["verify", "--tokens", "10", "--temperature", "0.7", "--logprob-formula", "verl", "--json", str(out)]) == 0
+    args = ["--tokens", "10", "--temperature", "0.7", "--logprob-formula", "verl", "--json", str(out)]
+    assert main(["verify", *args]) == 0
     arms = json.loads(out.read_text())["arms"]
     exact = [a for a in arms if a["exact"]]
-    assert {a["arm"] for a in exact} == {"rollout alone vs batched", "trainer one-at-a-time, verl", "trainer packed, verl"}
+    names = {"rollout alone vs batched", "trainer one-at-a-time, verl", "trainer packed, verl"}
+    assert {a["arm"] for a in exact} == names
     assert all(a["mismatches"] == 0 for a in exact)
     assert {a["arm"] for a in arms if not a["exact"]} == {"NEG log_softmax line, packed"}
     assert sum(a["mismatches"] for a in arms if not a["exact"]) > 0

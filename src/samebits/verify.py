@@ -132,16 +132,16 @@ def run(
     `logprob_formula`: the engine and the trainer both on that line, and one control, the
     trainer on `CONTROL_LINE[formula]`."""
     if logprob_formula != "log_softmax" and logprob_formula not in CONTROL_LINE:
-        raise ValueError(f"logprob_formula must be log_softmax or one of {sorted(CONTROL_LINE)}, got {logprob_formula!r}")
+        names = ["log_softmax", *sorted(CONTROL_LINE)]
+        raise ValueError(f"logprob_formula must be one of {names}, got {logprob_formula!r}")
     if model is None:
         from samebits.model.qwen3_moe.tiny import tiny_checkpoint_cache
 
         model = tiny_checkpoint_cache(seed=seed)
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
     max_len = max(prompt_lens) + tokens
-    llm = LLM(
-        model, device=device, dtype=dtype, max_num_seqs=8, max_model_len=max_len, logprob_formula=logprob_formula
-    )
+    formula = logprob_formula
+    llm = LLM(model, device=device, dtype=dtype, max_num_seqs=8, max_model_len=max_len, logprob_formula=formula)
     prompts = make_prompts(prompt_lens, llm.config.vocab_size, seed)
     params = [
         SamplingParams(
