@@ -56,6 +56,8 @@ ADMIN_CALLS = [
     ("POST", "/resume_memory_occupation", {}),
     ("POST", "/flush_cache", None),
     ("GET", "/flush_cache", None),
+    ("POST", "/pause_generation", {}),
+    ("POST", "/continue_generation", {}),
     ("POST", "/weight_digests", {}),
     ("POST", "/weight_specs", {}),
     ("POST", "/abort_request", {"abort_all": True}),
@@ -88,6 +90,9 @@ class StubEngine:
 
     def abort_all(self):
         self.work.append("abort_all")
+
+    def num_in_flight(self) -> int:
+        return 0
 
     async def call(self, method, **kwargs):
         self.work.append(method)

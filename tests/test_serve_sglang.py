@@ -108,6 +108,7 @@ def test_slime_and_areal_generate_payloads_equal_the_trainer_bitwise(server, ckp
         ({"sampling_params": {"min_p": 0.05}}, "min_p"),
         ({"image_data": ["data:image/png;base64,AAAA"]}, "image_data"),
         ({"return_routed_experts": True}, "return_routed_experts"),
+        ({"logprob_start_len": 0}, "logprob_start_len"),  # AReaL's score request (input_token_logprobs)
     ],
 )
 def test_unimplemented_sglang_fields_are_refused_naming_the_field(server, edit, field):

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from samebits.engine.async_engine import AsyncEngine, EngineDeadError
 from samebits.engine.engine_process import EngineProcess
-from samebits.serve import formats, handlers, sglang_api, vllm_api, weights_api
+from samebits.serve import formats, handlers, pause, sglang_api, vllm_api, weights_api
 from samebits.serve import limits as limits_
 from samebits.serve.auth import AuthMiddleware, Keys, refusal, refused_counter
 from samebits.serve.errors import ApiError, error_response, param_of
@@ -37,6 +37,7 @@ class Service:
         self.model_name = model_name
         self.limits, self.refused = limits, refused
         self.slots = StreamSlots(limits.max_concurrent_streams, refused)
+        self.pause = pause.Pause(engine)  # SGLang's /pause_generation holds new streams here
         self.tok = formats.TokenText(engine.tokenizer)
         self.ids_tok = formats.TokenText(None)  # "token_id:<id>" (return_tokens_as_token_ids)
         self.created = int(time.time())
@@ -63,9 +64,9 @@ class Service:
         return params, ids
 
     def start(self, ids: list[list[int]], params, rid: str) -> list:
-        """One engine stream per prompt (not started until iterated)."""
-        gen = self.engine.generate
-        return [gen(p, params, f"{rid}-{i}" if len(ids) > 1 else rid) for i, p in enumerate(ids)]
+        """One engine stream per prompt (not started until iterated, nor while paused)."""
+        gen, held = self.engine.generate, self.pause.held
+        return [held(gen(p, params, f"{rid}-{i}" if len(ids) > 1 else rid)) for i, p in enumerate(ids)]
 
     async def respond(self, request: Request, gens: list, stream: bool, whole, chunks) -> Response:
         """A stream of SSE events, or the whole JSON once every prompt finished. 429 when the
@@ -158,6 +159,7 @@ def build_app(
     handlers.register(app, svc)
     vllm_api.register(app, engine, model_name, settings)  # what TRL's VLLMClient asks of vLLM
     sglang_api.register(app, engine, model_name, settings)  # what slime, AReaL read of SGLang
+    pause.register(app, svc.pause)  # AReaL's pause around each weight update
     if hasattr(engine, "call"):  # the engine process: weight sync and memory (SGLang's endpoints)
         weights_api.register(app, engine, allowed_weight_dirs)
     return app

@@ -5,7 +5,8 @@ Two levels, as SGLang has them (`--api-key`, `--admin-api-key`):
 - inference (`/v1/*`, `/generate`, `/abort_request` of one id, `/get_weight_version`, and any
   path not listed below): an API key or the admin key;
 - admin (everything that changes or reveals the model or the server's state: weight updates,
-  groups, memory release and resume, `/flush_cache`, `/weight_digests`, `/weight_specs`, vLLM's
+  groups, memory release and resume, `/flush_cache`, `/weight_digests`, `/weight_specs`,
+  SGLang's `/pause_generation` and `/continue_generation`, vLLM's
   `/server_info`, `/reset_prefix_cache` and weight-transfer endpoints, SGLang's
   `/get_server_info`, and
   `/abort_request` with `abort_all`, which `app.py` checks on the body): the admin key, or the
@@ -42,6 +43,8 @@ ADMIN = frozenset(
         "/flush_cache",
         "/weight_digests",
         "/weight_specs",
+        "/pause_generation",
+        "/continue_generation",
         # vLLM's (TRL's VLLMClient): the server's config, its prefix cache, its weight transfer
         "/server_info",
         "/get_server_info",

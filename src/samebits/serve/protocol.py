@@ -210,6 +210,7 @@ class GenerateRequest(BaseModel):
     rid: str | None = None
     image_data: object = None
     return_routed_experts: bool = False
+    logprob_start_len: StrictInt = -1  # SGLang's: -1, no prompt log-probs
 
     def prompt(self) -> str | list[int]:
         if (self.text is None) == (self.input_ids is None):
@@ -223,6 +224,9 @@ class GenerateRequest(BaseModel):
             raise UnsupportedField("image_data", "is not supported (text and token ids only)")
         if self.return_routed_experts:
             raise UnsupportedField("return_routed_experts", "is not supported (no routing replay)")
+        if self.logprob_start_len != -1:
+            why = "is not supported: no prompt log-probs (input_token_logprobs); score a sequence with the trainer"
+            raise UnsupportedField("logprob_start_len", why)
         return SamplingParams(
             temperature=sp.temperature,
             top_p=sp.top_p,
