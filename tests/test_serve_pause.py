@@ -91,7 +91,8 @@ def _first_tokens(url: str) -> None:
 
 
 def _in_flight(h: httpx.Client, url: str) -> float:
-    gauge = [x for x in h.get(f"{url}/metrics").text.splitlines() if x.startswith("samebits_requests_in_flight ")]
+    lines = h.get(f"{url}/metrics").text.splitlines()
+    gauge = [x for x in lines if x.startswith("samebits_requests_in_flight ")]
     assert len(gauge) == 1, gauge
     return float(gauge[0].split()[-1])
 

@@ -75,8 +75,11 @@ class Pause:
         while self.streams or self.engine.num_in_flight():
             if time.monotonic() > deadline:
                 left = max(self.streams, self.engine.num_in_flight())
-                raise ApiError(503, f"{left} requests were still running {DRAIN_TIMEOUT_S:.0f} s after the "
-                               "abort; generation stays paused (send /continue_generation)", None, "server_error")  # fmt: skip
+                why = (
+                    f"{left} requests were still running {DRAIN_TIMEOUT_S:.0f} s after the abort; "
+                    "generation stays paused (send /continue_generation)"
+                )
+                raise ApiError(503, why, None, "server_error")
             self.engine.abort_all()  # again each time: a stream may have passed the gate just before
             await asyncio.sleep(0.02)
 

@@ -225,7 +225,7 @@ class GenerateRequest(BaseModel):
         if self.return_routed_experts:
             raise UnsupportedField("return_routed_experts", "is not supported (no routing replay)")
         if self.logprob_start_len != -1:
-            why = "is not supported: no prompt log-probs (input_token_logprobs); score a sequence with the trainer"
+            why = "is not supported (no prompt log-probs, input_token_logprobs); score with the trainer"
             raise UnsupportedField("logprob_start_len", why)
         return SamplingParams(
             temperature=sp.temperature,
