@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
         description="Runs the engine in a process of its own behind FastAPI + uvicorn. Endpoints: /health, "
         "/v1/models, /v1/completions, /v1/chat/completions, /generate, /abort_request, /metrics; vLLM's "
         "/get_world_size, /server_info, /reset_prefix_cache (for TRL's VLLMClient); SGLang's /get_model_info, "
-        "/get_server_info, /health_generate; "
+        "/get_server_info, /health_generate, /pause_generation, /continue_generation; "
         "and SGLang's weight sync for a trainer in another process: /init_weights_update_group, "
         "/update_weights_from_distributed, /update_weights_from_tensor, /update_weights_from_disk, "
         "/release_memory_occupation, /resume_memory_occupation, /flush_cache, /get_weight_version, "
@@ -114,7 +114,7 @@ def _add_security(s) -> None:
         default=None,
         metavar="KEY",
         help="the key of the endpoints that change or reveal the model or the server's state (weight "
-        "updates, groups, memory, flush_cache, digests, specs, abort_all); default: "
+        "updates, groups, memory, flush_cache, digests, specs, pause and continue, abort_all); default: "
         "$SAMEBITS_ADMIN_API_KEY, else the --api-key keys",
     )
     g.add_argument(
