@@ -15,6 +15,9 @@
 #   bash scripts/device_run.sh probe       # the 48-layer probe: 0 mismatches in every exact arm
 #   bash scripts/device_run.sh probe-formulas  # the 48-layer probe on the trl and verl lines at
 #                                          # T 0.7 and 1.3 (issue 42), 300 tokens a request
+#   bash scripts/device_run.sh trl-steps   # benchmarks/trl_grpo_steps.py: TRL's GRPOTrainer, 3 steps,
+#                                          # 48 layers on an H200 (trainer + engine ~122 GB), 24 on an
+#                                          # H100; carry .whl-trl only (`scripts/device_wheels.sh trl`)
 #
 # Run from the repository root on the device machine, with `.whl` carried (scripts/device_wheels.sh
 # fetches it here). Logs and JSONs go to $OUT (the device tool's folder that comes back).
@@ -22,17 +25,17 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-tests-new | tests-all | sample | tiles | prefill-ab | budget | bench | profile | probe | probe-formulas) ;;
+tests-new | tests-all | sample | tiles | prefill-ab | budget | bench | profile | probe | probe-formulas | trl-steps) ;;
 *)
-    sed -n 2,21p "$0"
+    sed -n 2,24p "$0"
     exit 2
     ;;
 esac
 OUT=${OUT:-/tmp/device-out}
 mkdir -p "$OUT"
-if ls .whl/*.whl > /dev/null 2>&1; then
+if ls .whl/*.whl .whl-trl/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl || exit 1
+        $(ls .whl/*.whl .whl-trl/*.whl 2> /dev/null) || exit 1
     export PYTHONPATH=/tmp/site:$PWD/src
 else
     export PYTHONPATH=$PWD/src
@@ -114,5 +117,11 @@ probe-formulas)
                 --reuse --logprob-formula $formula --temperature $t --out "$OUT/probe-$formula-$t.json"
         done
     done
+    ;;
+trl-steps)
+    layers=24
+    [ "$big_gpu" = 1 ] && layers=48
+    run trl-steps timeout $((585 - SECONDS)) python3 benchmarks/trl_grpo_steps.py --layers $layers \
+        --dir /dev/shm/q$layers --steps 3 --freeze experts --out "$OUT/trl-steps.json"
     ;;
 esac

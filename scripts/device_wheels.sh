@@ -7,10 +7,31 @@
 # The device image already has torch, triton, numpy, safetensors, huggingface_hub, tokenizers,
 # rich, prometheus-client, click, httpx and pytest (anyio, idna, h11 and typing_extensions
 # come here too: the versions the wheels above need, whatever the image holds).
+#
+# `scripts/device_wheels.sh trl` fills .whl-trl/ instead, for `device_run.sh trl-steps`: TRL's
+# GRPOTrainer needs `datasets`, whose pyarrow and pandas wheels leave no room beside .whl in the
+# 64 MiB a device call carries, so that phase carries .whl-trl alone (with the device image's
+# transformers 5.17, inside samebits' range): TRL, accelerate, datasets and their needs, pyarrow at the
+# smallest release datasets 5.2 takes (24.0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+grep -qx '/.whl-trl/' .git/info/exclude 2>/dev/null || echo '/.whl-trl/' >> .git/info/exclude
 pin() { grep -i "^$1==" scripts/constraints.txt; }
+get() {  # get DIR SPEC...: the CPython 3.12 manylinux wheels of SPEC into DIR
+    local dir=$1
+    shift
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dir" "$@"
+}
+if [ "${1:-}" = trl ]; then
+    get .whl-trl "$(pin trl)" datasets==5.2.0 pyarrow==24.0.0 pandas==3.1.1 dill==0.4.1 multiprocess==0.70.19 \
+        xxhash==4.1.0 fsspec==2026.9.0 python-dateutil==2.9.0.post0 six==1.17.0 tzdata==2025.2 accelerate==1.16.0 \
+        psutil==7.2.2
+    du -sh .whl-trl
+    exit 0
+fi
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl \
