@@ -66,7 +66,8 @@ def main() -> None:
     patterns = tuple(FREEZE_GROUPS.get(f, f) for f in args.freeze.split(",") if f)
     if patterns:
         freeze(model, patterns)
-    llm = samebits.LLM(path, device=args.device, max_num_seqs=args.prompts * args.n, max_model_len=64 + args.max_tokens)
+    seqs = args.prompts * args.n
+    llm = samebits.LLM(path, device=args.device, max_num_seqs=seqs, max_model_len=64 + args.max_tokens)
     rollout = sbtrl.rollout_func(llm, seed=1, check_digests=args.layers == 0)  # digests hash 61 GB a push
     words = "the cat sat on a mat while it rained and we read old books by the fire".split()
     prompts = [" ".join(words[i % 7 : i % 7 + 3 + i % 5]) for i in range(64)]  # of different lengths
