@@ -147,7 +147,7 @@ def test_requests_an_update_aborts_carry_the_version_they_ran_on(tiny):
     loop._run_calls_if_idle()
     (kind, updates, stats), result = pipe.sent[-2:]
     assert kind == "step" and stats["weight_version"] == "default"
-    [(rid, [(ids, _, _, _, finish)], _, _)] = updates
+    [(rid, [(ids, _, _, _, finish, _)], _, _)] = updates
     assert rid == "r" and finish == "abort" and ids == []  # its 2 tokens went out in the first update
     assert result[:3] == ("result", 0, True) and "1 requests in flight were aborted" in result[3]
     assert loop.weight_version == "v1" and not loop.sent

@@ -94,13 +94,22 @@ def test_serve_logprobs_mode_flag_reaches_the_engine(tiny, tmp_path, capsys):
         sp = {"temperature": T, "top_p": 0.8, "max_new_tokens": 8, "ignore_eos": True, "sampling_seed": 3}
         body = {"input_ids": prompt, "sampling_params": sp, "return_logprob": True}
         answer = httpx.post(f"{srv.url}/generate", json=body, timeout=120).json()
+        sp_openai = {"temperature": T, "top_p": 0.8, "max_tokens": 8, "ignore_eos": True, "seed": 3}
+        body = {"prompt": prompt, "logprobs": 1, "return_token_ids": True} | sp_openai
+        choice = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120).json()["choices"][0]
     finally:
         srv.stop()
     lps = torch.tensor([x[0] for x in answer["meta_info"]["output_token_logprobs"]])
     logits, ids = _hf_rows(trainer.load_hf_model(ckpt, dtype=torch.bfloat16), prompt, answer["output_ids"])
     with batch_invariant():
         assert torch.equal(lps, trainer.processed_logprobs(logits, ids, T, top_p=0.8))
+        kept = trainer.kept_tokens(logits, T, top_p=0.8).sum(-1).tolist()
+        wider = trainer.kept_tokens(logits, T, top_p=0.9).sum(-1).tolist()
     assert not torch.equal(lps, _line("log_softmax", logits, ids))  # control: the raw line
+    # each token's support, as served: the trainer's kept set at top_p 0.8 (control: 0.9 keeps more)
+    assert answer["meta_info"]["output_token_num_kept"] == kept and kept != wider
+    assert all(0 < k < logits.shape[-1] for k in kept)
+    assert choice["num_kept"] == kept and choice["token_ids"] == answer["output_ids"]
 
 
 def _rl_step(tiny, engine: str, trainer_line: str) -> dict:

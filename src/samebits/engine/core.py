@@ -289,14 +289,16 @@ class EngineCore:
     def progress(self, request_id: str, sent: list[int]) -> tuple[list[tuple], int]:
         """What each sample gained since its first `sent[j]` tokens, as plain Python values
         (for another process): -> ([(new ids, new log-probs, new top-k lists or None, text,
-        finish reason)], sample 0's preemptions). Advances `sent` to the current counts."""
+        finish reason, new num_kept or None)], sample 0's preemptions). Advances `sent` to the
+        current counts."""
         req = self._requests[request_id]
         parts = []
         for j, seq in enumerate(req.seqs):
             k, out = sent[j], seq.output_token_ids
             tops = req.tops[j][k:] if req.params.logprobs else None
+            kept = list(req.kept[j][k:]) if _processed(seq.params) else None
             text = req.detoks[j].text if req.detoks[j] is not None else ""
-            parts.append((list(out[k:]), list(seq.logprobs[k:]), tops, text, seq.finish_reason))
+            parts.append((list(out[k:]), list(seq.logprobs[k:]), tops, text, seq.finish_reason, kept))
             sent[j] = len(out)
         return parts, req.seqs[0].num_preemptions
 

@@ -58,16 +58,20 @@ class _Request:
         self.ids: list[list[int]] = [[] for _ in range(n)]
         self.lps: list[list[float]] = [[] for _ in range(n)]
         self.tops: list[list] | None = [[] for _ in range(n)] if k else None
+        self.kept: list[list[int]] | None = None  # the processed modes' num_kept, when sent
         self.text, self.finish = [""] * n, [None] * n
         self.preemptions = 0
         self.weight_version: str | None = None
 
     def apply(self, parts: list[tuple], preemptions: int, weight_version: str | None) -> RequestOutput:
-        for j, (ids, lps, tops, text, finish) in enumerate(parts):
+        for j, (ids, lps, tops, text, finish, kept) in enumerate(parts):
             self.ids[j] += ids
             self.lps[j] += lps
             if self.tops is not None:
                 self.tops[j] += tops
+            if kept is not None:
+                self.kept = self.kept or [[] for _ in self.ids]
+                self.kept[j] += kept
             self.text[j], self.finish[j] = text, finish
         self.preemptions = preemptions
         self.weight_version = weight_version
@@ -82,6 +86,7 @@ class _Request:
                 text=self.text[j],
                 finish_reason=self.finish[j],
                 top_logprobs=list(self.tops[j]) if self.tops is not None else None,
+                num_kept=list(self.kept[j]) if self.kept is not None else None,
             )
             for j in range(len(self.ids))
         ]
@@ -98,6 +103,7 @@ class _Request:
             request_id=self.request_id,
             outputs=outs,
             weight_version=self.weight_version,
+            num_kept=first.num_kept,
         )
 
 

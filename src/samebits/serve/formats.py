@@ -46,6 +46,8 @@ def _with_ids(choice: dict, request: RequestOutput, out: CompletionOutput, part:
         choice["token_ids"] = out.token_ids[part]
         if part.start == 0:
             choice["prompt_token_ids"] = request.prompt_token_ids
+    if out.num_kept is not None and ctx.logprobs is not None:  # samebits': the processed modes' support
+        choice["num_kept"] = out.num_kept[part]
     return choice
 
 
@@ -177,6 +179,8 @@ def sglang_output(request: RequestOutput, out: CompletionOutput, return_logprob:
         ]
         if k:
             meta["output_top_logprobs"] = [[[finite(v), t, None] for t, v in row] for row in out.top_logprobs]
+        if out.num_kept is not None:  # samebits': the processed modes' support, per token
+            meta["output_token_num_kept"] = list(out.num_kept)
     result = {"text": out.text, "output_ids": list(out.token_ids), "meta_info": meta}
     if len(request.outputs) > 1:
         result["index"] = out.index

@@ -11,7 +11,7 @@ from samebits.trainer.logprobs import (
     token_logprobs,
 )
 from samebits.trainer.omni import load_hf_thinker
-from samebits.trainer.processed import processed_logprobs
+from samebits.trainer.processed import kept_tokens, processed_logprobs
 from samebits.trainer.registration import register
 from samebits.trainer.swap import use_samebits_forwards
 
@@ -24,6 +24,7 @@ __all__ = [
     "checkpoint_context",
     "check_rotary_inv_freq",
     "check_transformers_numerics",
+    "kept_tokens",
     "load_hf_model",
     "load_hf_thinker",
     "processed_logprobs",

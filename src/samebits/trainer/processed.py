@@ -32,6 +32,17 @@ def processed_logprobs(
     and `formula` on the masked logits at T."""
     if formula not in FORMULAS:
         raise ValueError(f"formula must be one of {FORMULAS}, got {formula!r}")
+    keep = kept_tokens(logits, temperature, top_p, top_k, banned)
+    n = logits.shape[0]
+    return truncation.processed_logprobs_of(logits, token_ids, keep, [temperature] * n, [formula] * n)
+
+
+def kept_tokens(
+    logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = -1, banned: Sequence[int] = ()
+) -> torch.Tensor:
+    """The support each row's token was drawn from, as the sampler keeps it: bool [n, V], the
+    banned tokens out, then top-k and top-p (none at temperature 0). Its row sums are the
+    engine's `num_kept` (`output_token_num_kept` in a served answer) under `batch_invariant()`."""
     n = logits.shape[0]
     t = float(temperature) if temperature > 0 else 1.0
     probs = reported_logprobs(logits, [t] * n).exp()
@@ -42,4 +53,4 @@ def processed_logprobs(
         keep[:, at] = False
     if temperature > 0 and (top_k != -1 or top_p < 1.0):
         keep &= truncation.keep_rows(probs, [top_k] * n, [top_p] * n)
-    return truncation.processed_logprobs_of(logits, token_ids, keep, [temperature] * n, [formula] * n)
+    return keep
