@@ -119,3 +119,15 @@ def test_unimplemented_sglang_fields_are_refused_naming_the_field(server, edit, 
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == field and field in err["message"]
+
+
+def test_areals_pipeline_stage_is_refused_naming_pp_rank(server):
+    # AReaL 1.0.4 (`build_init_weights_group_request`) adds pp_rank for pipeline-parallel engines;
+    # its master_port is a string. Stage 0 is the whole model here; another is refused before a
+    # group is made. The same body without pp_rank would open a group (tests/test_weight_sync.py).
+    body = {"master_address": "127.0.0.1", "master_port": "29555", "rank_offset": 1, "world_size": 2,
+            "backend": "gloo", "group_name": "update_weight_group_1", "pp_rank": 1}  # fmt: skip
+    r = httpx.post(f"{server.url}/init_weights_update_group", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "pp_rank" and "one pipeline stage" in err["message"]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from samebits.engine.async_engine import EngineDeadError
 
@@ -45,6 +45,14 @@ class InitWeightsUpdateGroup(_Body):
     world_size: int
     group_name: str = DEFAULT_GROUP
     backend: str = "nccl"
+    pp_rank: int = 0  # AReaL's, sent with pipeline-parallel engines
+
+    @field_validator("pp_rank")
+    @classmethod
+    def _one_stage(cls, v: int) -> int:
+        if v != 0:
+            raise ValueError(f"is {v}; samebits serves the whole model in one pipeline stage, so only 0")
+        return v
 
 
 class DestroyWeightsUpdateGroup(_Body):
@@ -130,7 +138,7 @@ def register(app: FastAPI, engine, allowed_weight_dirs: list | None = None) -> N
 
     @app.post("/init_weights_update_group")
     async def init_group(body: InitWeightsUpdateGroup):
-        return await _run(engine, "init_weights_update_group", **body.model_dump())
+        return await _run(engine, "init_weights_update_group", **body.model_dump(exclude={"pp_rank"}))
 
     @app.post("/destroy_weights_update_group")
     async def destroy_group(body: DestroyWeightsUpdateGroup):
