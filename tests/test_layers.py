@@ -28,7 +28,7 @@ ALLOWED = {
     "integrations": {"client", "engine", "numerics", "requests", "trainer"},  # frameworks' adapters (TRL)
     "bench": {"engine", "model", "numerics", "requests", "trainer", "plotting"},
     "cli_checks": {"engine", "model", "requests"},
-    "cli": {"bench", "cli_checks", "rl", "serve", "verify"},
+    "cli": {"bench", "cli_checks", "requests", "rl", "serve", "verify"},  # requests: the formula names
 }
 
 
