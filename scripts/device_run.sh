@@ -15,6 +15,7 @@
 #   bash scripts/device_run.sh probe       # the 48-layer probe: 0 mismatches in every exact arm
 #   bash scripts/device_run.sh probe-formulas  # the 48-layer probe on the trl and verl lines at
 #                                          # T 0.7 and 1.3 (issue 42), 300 tokens a request
+#                                          # (PROBE_ARMS="trl:0.7 verl:1.3" runs those only)
 #   bash scripts/device_run.sh trl-steps   # benchmarks/trl_grpo_steps.py: TRL's GRPOTrainer, 3 steps,
 #                                          # 48 layers on an H200 (trainer + engine ~122 GB), 24 on an
 #                                          # H100; carry .whl-trl only (`scripts/device_wheels.sh trl`)
@@ -111,11 +112,10 @@ probe)
     ;;
 probe-formulas)
     checkpoint
-    for formula in trl verl; do
-        for t in 0.7 1.3; do
-            run "probe-$formula-$t" python3 benchmarks/probe_real_shape.py --layers 48 --tokens 300 --dir $q48 \
-                --reuse --logprob-formula $formula --temperature $t --out "$OUT/probe-$formula-$t.json"
-        done
+    for arm in ${PROBE_ARMS:-trl:0.7 trl:1.3 verl:0.7 verl:1.3}; do # formula:temperature
+        formula=${arm%:*} t=${arm#*:}
+        run "probe-$formula-$t" python3 benchmarks/probe_real_shape.py --layers 48 --tokens 300 --dir $q48 \
+            --reuse --logprob-formula $formula --temperature $t --out "$OUT/probe-$formula-$t.json"
     done
     ;;
 trl-steps)
