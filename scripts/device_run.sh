@@ -34,9 +34,10 @@ tests-new | tests-all | sample | tiles | prefill-ab | budget | bench | profile |
 esac
 OUT=${OUT:-/tmp/device-out}
 mkdir -p "$OUT"
-if ls .whl/*.whl .whl-trl/*.whl > /dev/null 2>&1; then
+wheels=$(ls .whl/*.whl .whl-trl/*.whl 2> /dev/null || true) # either folder, or both
+if [ -n "$wheels" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        $(ls .whl/*.whl .whl-trl/*.whl 2> /dev/null) || exit 1
+        $wheels || exit 1
     export PYTHONPATH=/tmp/site:$PWD/src
 else
     export PYTHONPATH=$PWD/src

@@ -2,7 +2,8 @@
 # Fetch, on this machine, the wheels a lent GPU machine lacks into .whl/ (ignored by git), so
 # `scripts/device_run.sh` installs them there: the transformers version CI pins (the device
 # image has 5.17.0), what the serve tests need (fastapi, uvicorn, openai and their needs) and TRL
-# (the `trl` log-prob lines run TRL's own Triton kernels on CUDA; `trl.kernels` needs no more).
+# (the `trl` log-prob lines run TRL's own Triton kernels on CUDA; `trl.kernels` needs no more)
+# and Liger (0.8.5, GPU only, for tests/test_logprob_formula_fused.py's fused linear CE tests).
 # Versions: scripts/constraints.txt for the pinned ones, the versions CI resolved for the rest.
 # The device image already has torch, triton, numpy, safetensors, huggingface_hub, tokenizers,
 # rich, prometheus-client, click, httpx and pytest (anyio, idna, h11 and typing_extensions
@@ -39,5 +40,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 typing-inspection==0.4.5 \
     annotated-types==0.8.0 annotated-doc==0.0.7 opentelemetry-api==1.45.3 \
     httpx2==2.17.0 httpcore2==2.17.0 jiter==0.19.0 sniffio==1.3.1 truststore==0.10.5 \
-    anyio==4.16.0 idna==3.21 h11==0.16.0 typing_extensions==4.16.0
+    anyio==4.16.0 idna==3.21 h11==0.16.0 typing_extensions==4.16.0 \
+    liger-kernel==0.8.5
 ls .whl
