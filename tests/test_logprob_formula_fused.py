@@ -163,12 +163,17 @@ def liger_flce(hidden, weight, ids, t):
     return -liger_fused_linear_cross_entropy(hidden if t == 1.0 else hidden / t, weight, ids, reduction="none")
 
 
-def _qwen_head(n: int):
-    """hidden [n, 2048] and an LM head [151936, 2048] in bf16 on CUDA (Qwen3-30B-A3B's shape)."""
+def _head(n: int, width: int, vocab: int):
+    """hidden [n, width] and an LM head [vocab, width] in bf16 on CUDA, ids below vocab."""
     g = torch.Generator().manual_seed(3)
-    hidden = torch.randn(n, 2048, generator=g).bfloat16().cuda()
-    weight = (torch.randn(151_936, 2048, generator=g) * 0.02).bfloat16().cuda()
-    return hidden, weight, torch.randint(0, 151_936, (n,), generator=g).cuda()
+    hidden = torch.randn(n, width, generator=g).bfloat16().cuda()
+    weight = (torch.randn(vocab, width, generator=g) * 0.02).bfloat16().cuda()
+    return hidden, weight, torch.randint(0, vocab, (n,), generator=g).cuda()
+
+
+def _qwen_head(n: int):
+    """hidden [n, 2048] and an LM head [151936, 2048] (Qwen3-30B-A3B's shape)."""
+    return _head(n, 2048, 151_936)
 
 
 def _alone_and_packed(fn, hidden, weight, ids, grad: bool = False):
@@ -199,18 +204,21 @@ def test_liger_flce_as_a_fused_line_is_row_invariant_under_batch_invariant():
 
 
 @pytest.mark.gpu
-def test_control_liger_flce_outside_batch_invariant_is_stock_cublas_bits():
-    # batch_invariant() is what runs Liger's chunk GEMMs: outside it, stock cuBLAS gives the same
-    # rows other bits, so the engine's Liger line equals a trainer's only when the trainer runs
-    # Liger under batch_invariant() too. The packing alone is no control at this shape: on an
-    # H100 stock cuBLAS gave the same bits for a row among 1 to 9,600 rows (measured 2026-12-07).
+def test_control_liger_flce_outside_batch_invariant_changes_a_row_with_its_batch():
+    # batch_invariant() is what makes Liger's chunk GEMMs row-invariant: at an LM head of
+    # [4096, 4096] stock cuBLAS picks another kernel for a chunk of 1 row than for a chunk of 8, and
+    # Liger's value for a row alone differs from the same row among 600 (H100, 2026-12-07: 320 of
+    # 600 rows); under batch_invariant() none does. At Qwen3-30B-A3B's head ([151936, 2048]) stock
+    # cuBLAS gave the same bits for a row among 1 to 9,600 rows on that card, so the packing is no
+    # control there.
     pytest.importorskip("liger_kernel")
-    hidden, weight, ids = _qwen_head(600)
+    hidden, weight, ids = _head(600, 4096, 4096)
     with torch.no_grad():
-        stock = liger_flce(hidden, weight, ids, 1.0)
+        stock_alone, stock_packed = _alone_and_packed(liger_flce, hidden, weight, ids)
         with batch_invariant():
-            invariant = liger_flce(hidden, weight, ids, 1.0)
-    assert not torch.equal(stock, invariant)
+            alone, packed = _alone_and_packed(liger_flce, hidden, weight, ids)
+    assert torch.equal(alone, packed)
+    assert not torch.equal(stock_alone, stock_packed)
 
 
 @pytest.mark.gpu
