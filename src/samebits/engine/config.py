@@ -80,7 +80,7 @@ class EngineConfig:
             raise ValueError(f"async_scheduling must be None or a bool, got {self.async_scheduling!r}")
         check_device(self.device)
         problem = logprob_formulas.check(self.logprob_formula)
-        problem = problem or mode_problem(self.logprobs_mode, self.logprob_formula, self.device)
+        problem = problem or logprobs_mode_problem(self.logprobs_mode, self.logprob_formula)
         if problem is not None:
             raise ValueError(problem)
 
@@ -109,18 +109,6 @@ class EngineConfig:
         4096, 36.4k at 8192, 39.5k at 16384; docs/performance.md), 2048 on the CPU."""
         floor = 8192 if torch.device(self.device).type == "cuda" else 2048
         return self.max_num_batched_tokens or max(self.max_model_len, floor)
-
-
-def mode_problem(mode: str, formula, device: str) -> str | None:
-    """`logprobs_mode_problem`, and the combination this engine's device cannot run."""
-    problem = logprobs_mode_problem(mode, formula)
-    if problem is None and mode == "processed_logprobs" and formula == "trl" and "cuda" in str(device):
-        problem = (
-            "logprobs_mode='processed_logprobs' with logprob_formula='trl' is not supported on CUDA yet "
-            "(TRL's Triton fold is not checked on truncated rows, whose masked tiles are -inf): run on "
-            "the CPU, or use logprob_formula='logsumexp' or logprobs_mode='raw_logprobs'"
-        )
-    return problem
 
 
 def check_device(device: str) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from samebits.engine.block_manager import BlockManager
-from samebits.engine.config import EngineConfig, mode_problem
+from samebits.engine.config import EngineConfig
 from samebits.engine.core import EngineCore, exclusive
 from samebits.engine.outputs import RequestOutput
 from samebits.engine.runner import ModelRunner
@@ -32,6 +32,7 @@ from samebits.numerics import logprob_formulas
 from samebits.numerics.profile import PROFILES
 from samebits.progress import GenerateProgress
 from samebits.requests import FusedLine, SamplingParams
+from samebits.requests.sampling_params import logprobs_mode_problem
 
 
 class LLM:
@@ -174,9 +175,8 @@ class LLM:
             sp = dataclasses.replace(sp, logprob_formula=self.engine.logprob_formula)
         if sp.logprobs_mode is None and self.engine.logprobs_mode != "raw_logprobs":
             sp = dataclasses.replace(sp, logprobs_mode=self.engine.logprobs_mode)
-        if sp.logprobs_mode is not None and (
-            problem := mode_problem(sp.logprobs_mode, sp.logprob_formula, self.engine.device)
-        ):
+        problem = sp.logprobs_mode and logprobs_mode_problem(sp.logprobs_mode, sp.logprob_formula)
+        if problem:
             raise ValueError(f"request {i}: {problem}")
         self._check_line(sp.logprob_formula)
         seq = Seq(seq_id=next(self._ids), index=i, prompt_token_ids=ids, params=sp)

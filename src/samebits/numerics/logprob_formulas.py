@@ -160,10 +160,26 @@ def _trl_module(name: str):
         ) from e
 
 
+# A truncated row's masked logits (processed_logprobs) go into TRL's Triton fold as this finite
+# value, not -inf: the fold rescales by exp(max - new_max), NaN for a 1024-wide block of -inf
+# while its running max is still -inf. Each masked entry then adds exp(z - max) = 0, exactly
+# what -inf adds once the max is finite, and what it added before is rescaled by exp(-2^100/T -
+# max) = 0 when the first kept entry comes: the fold of the kept entries, in TRL's order.
+# 2^100 is exact in bf16, fp16 overflows (its rows are refused below), and 2^100/T stays finite
+# in float32 down to T = 1e-8.
+TRL_MASKED = -(2.0**100)
+
+
 def trl_cuda(logits: Tensor, ids: Tensor, temperature: float) -> Tensor:
     """`trl` on CUDA: TRL's own per-token fold (`trl.kernels.chunked_logprob._forward_kernel`)
-    over the logit tiles, the Triton kernel ChunkedLogProbFunction launches."""
+    over the logit tiles, the Triton kernel ChunkedLogProbFunction launches. Masked (-inf)
+    logits fold as TRL_MASKED, and an id at -inf reads -inf, as on the CPU."""
     m = _trl_module("trl.kernels.chunked_logprob")
+    masked = torch.isneginf(logits)
+    if bool(masked.any()):
+        if logits.dtype == torch.float16:
+            raise ValueError("trl on CUDA takes truncated fp16 rows nowhere: use bf16 or fp32 logits")
+        logits = logits.masked_fill(masked, TRL_MASKED)
     n, vocab = logits.shape
     f32 = dict(dtype=torch.float32, device=logits.device)
     stats = [torch.full((n,), float("-inf"), **f32)] + [torch.zeros((n,), **f32) for _ in range(4)]
@@ -175,7 +191,8 @@ def trl_cuda(logits: Tensor, ids: Tensor, temperature: float) -> Tensor:
             tile, tile.stride(0), ids, *stats, before, target, start, tile.shape[1],
             1.0, 1.0, 1 / temperature, HAS_SOFTCAP=False, BLOCK_SIZE=m._BLOCK_SIZE, **flags,
         )  # fmt: skip
-    return target - (stats[0] + torch.log(stats[1]))
+    out = target - (stats[0] + torch.log(stats[1]))
+    return out.masked_fill(masked.gather(1, ids[:, None])[:, 0], float("-inf"))
 
 
 def trl_selective_cuda(logits: Tensor, ids: Tensor, temperature: float) -> Tensor:
