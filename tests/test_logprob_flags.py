@@ -112,6 +112,43 @@ def test_serve_logprobs_mode_flag_reaches_the_engine(tiny, tmp_path, capsys):
     assert choice["num_kept"] == kept and choice["token_ids"] == answer["output_ids"]
 
 
+def test_a_request_picks_its_own_logprobs_mode(tiny, tmp_path):
+    # a server on the default raw_logprobs: a /generate body's sampling_params.logprobs_mode and a
+    # /v1/completions body's logprobs_mode pick that request's mode; an unknown mode is a 400
+    # naming the field. Control: the same /generate body without the field reports the raw line.
+    ckpt = add_tiny_tokenizer(shutil.copytree(tiny, tmp_path / "tiny-tok"))
+    srv = Server(ckpt, "--max-num-seqs", "2", "--max-model-len", "64")
+    prompt = [5, 9, 11, 4]
+    sp = {"temperature": T, "top_p": 0.8, "max_new_tokens": 8, "ignore_eos": True, "sampling_seed": 3}
+    try:
+        answers = {}
+        for mode in ("processed_logprobs", None):
+            params = sp | ({"logprobs_mode": mode} if mode else {})
+            body = {"input_ids": prompt, "sampling_params": params, "return_logprob": True}
+            answers[mode] = httpx.post(f"{srv.url}/generate", json=body, timeout=120).json()
+        body = {"prompt": prompt, "logprobs": 0, "return_token_ids": True, "logprobs_mode": "raw_logits",
+                "temperature": T, "top_p": 0.8, "max_tokens": 8, "ignore_eos": True, "seed": 3}  # fmt: skip
+        choice = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+        bad = httpx.post(f"{srv.url}/v1/completions", json=body | {"logprobs_mode": "logits"}, timeout=120)
+    finally:
+        srv.stop()
+    assert bad.status_code == 400 and "logprobs_mode" in bad.text, bad.text
+    tokens = answers[None]["output_ids"]
+    assert answers["processed_logprobs"]["output_ids"] == tokens == choice["token_ids"]
+    logits, ids = _hf_rows(trainer.load_hf_model(ckpt, dtype=torch.bfloat16), prompt, tokens)
+    processed, raw = (
+        torch.tensor([x[0] for x in answers[m]["meta_info"]["output_token_logprobs"]])
+        for m in ("processed_logprobs", None)
+    )
+    with batch_invariant():
+        assert torch.equal(processed, trainer.processed_logprobs(logits, ids, T, top_p=0.8))
+    assert torch.equal(raw, _line("log_softmax", logits, ids)) and not torch.equal(raw, processed)
+    served_logits = torch.tensor(choice["logprobs"]["token_logprobs"])
+    assert torch.equal(served_logits, logits.float().gather(1, ids[:, None])[:, 0])
+    assert "output_token_num_kept" in answers["processed_logprobs"]["meta_info"]
+    assert "output_token_num_kept" not in answers[None]["meta_info"]
+
+
 def _rl_step(tiny, engine: str, trainer_line: str) -> dict:
     cfg = rl.RLConfig(
         model=str(tiny), steps=1, num_prompts=2, n=2, max_tokens=8, temperature=T, logprob_formula=engine

@@ -5,7 +5,8 @@ defaults for things we do not have); known fields we do not support are refused 
 when set to anything but their no-op value (vLLM's `min_p` 0, `repetition_penalty` 1.0: a
 penalty would change what is sampled and the trainer does not recompute it). `top_k` 0 or -1
 is off, as in vLLM. `to_params` maps a body to `SamplingParams`; `logprob_formula` (samebits')
-picks the trainer line of the reported log-prob, one of `LOGPROB_FORMULAS`.
+picks the trainer line of the reported log-prob, one of `LOGPROB_FORMULAS`, and `logprobs_mode`
+(vLLM's names, `LOGPROBS_MODES`) what is reported, for that request (None: the server's).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from samebits.requests.sampling_params import LOGPROB_FORMULAS, SamplingParams
+from samebits.requests.sampling_params import LOGPROB_FORMULAS, SamplingParams, logprobs_mode_problem
 
 TokenIds = list[StrictInt]
 
@@ -25,6 +26,13 @@ class UnsupportedField(ValueError):
     def __init__(self, field: str, why: str):
         super().__init__(f"{field}: {why}")
         self.field = field
+
+
+def _check_mode(mode: str | None, formula: str | None) -> None:
+    """A request's `logprobs_mode`, refused by name when it is not one of vLLM's or cannot take
+    the request's formula."""
+    if mode is not None and (why := logprobs_mode_problem(mode, formula)):
+        raise UnsupportedField("logprobs_mode", why)
 
 
 class _Body(BaseModel):
@@ -49,8 +57,10 @@ class _Body(BaseModel):
     return_tokens_as_token_ids: bool = False  # log-prob tokens as "token_id:<id>" (unique keys)
     prompt_logprobs: StrictInt | None = None
     structured_outputs: dict | None = None
-    # samebits: which trainer's line reports the sampled token's log-prob (docs/logprobs.md)
+    # samebits: which trainer's line reports the sampled token's log-prob, and what is reported
+    # (vLLM's logprobs_mode names; None: the server's --logprobs-mode) (docs/logprobs.md)
     logprob_formula: str | None = None
+    logprobs_mode: str | None = None
     # OpenAI fields that must stay at their no-op value
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -79,6 +89,7 @@ class _Body(BaseModel):
             raise UnsupportedField(
                 "logprob_formula", f"{self.logprob_formula!r} is not a formula; use one of: {allowed}"
             )
+        _check_mode(self.logprobs_mode, self.logprob_formula)
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
@@ -99,6 +110,7 @@ class _Body(BaseModel):
             stop=self.stop or None,
             logprobs=logprobs,
             logprob_formula=self.logprob_formula,
+            logprobs_mode=self.logprobs_mode,
         )
 
 
@@ -187,6 +199,7 @@ class SGLangSamplingParams(BaseModel):
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logprob_formula: str | None = None  # samebits': a trainer's log-prob line by name (docs/logprobs.md)
+    logprobs_mode: str | None = None  # samebits': vLLM's logprobs_mode names, per request
 
     def check_unsupported(self) -> None:
         offs = (("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1), ("min_p", 0))
@@ -194,6 +207,7 @@ class SGLangSamplingParams(BaseModel):
             if getattr(self, name) != off:
                 why = f"only {off} (off) is supported, got {getattr(self, name)}; send {off} or leave it unset"
                 raise UnsupportedField(name, why)
+        _check_mode(self.logprobs_mode, self.logprob_formula)
 
 
 class GenerateRequest(BaseModel):
@@ -240,6 +254,7 @@ class GenerateRequest(BaseModel):
             stop=sp.stop or None,
             logprobs=self.top_logprobs_num or None,
             logprob_formula=sp.logprob_formula,
+            logprobs_mode=sp.logprobs_mode,
         )
 
 
