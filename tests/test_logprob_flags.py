@@ -115,24 +115,30 @@ def test_serve_logprobs_mode_flag_reaches_the_engine(tiny, tmp_path, capsys):
 def test_a_request_picks_its_own_logprobs_mode(tiny, tmp_path):
     # a server on the default raw_logprobs: a /generate body's sampling_params.logprobs_mode and a
     # /v1/completions body's logprobs_mode pick that request's mode; an unknown mode is a 400
-    # naming the field. Control: the same /generate body without the field reports the raw line.
+    # naming the field, and so is a logits mode with a formula; the server serves the requests
+    # after them. Control: the same /generate body without the field reports the raw line.
     ckpt = add_tiny_tokenizer(shutil.copytree(tiny, tmp_path / "tiny-tok"))
     srv = Server(ckpt, "--max-num-seqs", "2", "--max-model-len", "64")
     prompt = [5, 9, 11, 4]
     sp = {"temperature": T, "top_p": 0.8, "max_new_tokens": 8, "ignore_eos": True, "sampling_seed": 3}
+    completion = {"prompt": prompt, "logprobs": 0, "return_token_ids": True, "logprobs_mode": "raw_logits",
+                  "temperature": T, "top_p": 0.8, "max_tokens": 8, "ignore_eos": True, "seed": 3}  # fmt: skip
     try:
+        unknown = completion | {"logprobs_mode": "logits"}
+        bad = httpx.post(f"{srv.url}/v1/completions", json=unknown, timeout=120)
+        mixed = sp | {"logprobs_mode": "raw_logits", "logprob_formula": "trl"}
+        mixed_body = {"input_ids": prompt, "sampling_params": mixed}
+        bad_mix = httpx.post(f"{srv.url}/generate", json=mixed_body, timeout=120)
         answers = {}
         for mode in ("processed_logprobs", None):
             params = sp | ({"logprobs_mode": mode} if mode else {})
             body = {"input_ids": prompt, "sampling_params": params, "return_logprob": True}
             answers[mode] = httpx.post(f"{srv.url}/generate", json=body, timeout=120).json()
-        body = {"prompt": prompt, "logprobs": 0, "return_token_ids": True, "logprobs_mode": "raw_logits",
-                "temperature": T, "top_p": 0.8, "max_tokens": 8, "ignore_eos": True, "seed": 3}  # fmt: skip
-        choice = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120).json()["choices"][0]
-        bad = httpx.post(f"{srv.url}/v1/completions", json=body | {"logprobs_mode": "logits"}, timeout=120)
+        choice = httpx.post(f"{srv.url}/v1/completions", json=completion, timeout=120).json()["choices"][0]
     finally:
         srv.stop()
     assert bad.status_code == 400 and "logprobs_mode" in bad.text, bad.text
+    assert bad_mix.status_code == 400 and "logprobs_mode" in bad_mix.text, bad_mix.text
     tokens = answers[None]["output_ids"]
     assert answers["processed_logprobs"]["output_ids"] == tokens == choice["token_ids"]
     logits, ids = _hf_rows(trainer.load_hf_model(ckpt, dtype=torch.bfloat16), prompt, tokens)
