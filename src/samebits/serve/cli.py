@@ -91,7 +91,7 @@ def add_parser(sub) -> None:
         "--logprob-formula line of the untruncated distribution at T), processed_logprobs (the log-prob "
         "under the temperature-scaled, top-k/top-p-truncated, renormalised distribution the token was "
         "drawn from, by --logprob-formula), raw_logits, processed_logits (the *_logits modes take only "
-        "--logprob-formula log_softmax)",
+        "--logprob-formula log_softmax); a request's logprobs_mode field overrides it for that request",
     )
     s.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     _add_security(s)
