@@ -174,25 +174,5 @@ def test_trl_on_cuda_reads_truncated_rows_through_trls_own_kernel():
     got = lf.trl(masked, ids, temps)
     assert torch.isfinite(got[:, 0]).all() and torch.isneginf(got[:, 1]).all()
     assert (got[:, 0] <= 0).all()
-    raw = _trls_kernel_as_is(masked, ids[:, 0], 0.7)
+    raw = lf._trl_fold_cuda(masked, ids[:, 0], 0.7)  # TRL's fold with no stand-in for -inf
     assert torch.isnan(raw).any()
-
-
-def _trls_kernel_as_is(logits, ids, temperature):
-    """TRL's forward fold over the tiles with no stand-in for -inf (trl_cuda without its mask)."""
-    from trl.kernels import chunked_logprob as m
-
-    from samebits.numerics import logprob_formulas as lf
-
-    n, vocab = logits.shape
-    f32 = dict(dtype=torch.float32, device=logits.device)
-    stats = [torch.full((n,), float("-inf"), **f32)] + [torch.zeros((n,), **f32) for _ in range(4)]
-    before, target = torch.full((n,), float("-inf"), **f32), torch.zeros((n,), **f32)
-    flags = {f"HAS_{o.upper()}": False for o in m.OPTIONAL_OUTPUTS}
-    for start in range(0, vocab, lf.TRL_VOCAB_TILE):
-        tile = logits[:, start : min(start + lf.TRL_VOCAB_TILE, vocab)]
-        m._forward_kernel[(n,)](
-            tile, tile.stride(0), ids, *stats, before, target, start, tile.shape[1],
-            1.0, 1.0, 1 / temperature, HAS_SOFTCAP=False, BLOCK_SIZE=m._BLOCK_SIZE, **flags,
-        )  # fmt: skip
-    return target - (stats[0] + torch.log(stats[1]))

@@ -112,7 +112,7 @@ def trl(logits: Tensor, ids: Tensor, temps: Tensor) -> Tensor:
     each tile with torch ops (`_forward_tile`), as here; on CUDA with a Triton program per
     token in 1024-wide blocks: `trl_cuda`."""
     if logits.device.type == "cuda":
-        return _by_temperature(trl_cuda, logits, ids, temps)
+        return trl_cuda(logits, ids, temps)
     inv_t = torch.tensor([1 / t for t in temps.double().tolist()], dtype=torch.float32, device=logits.device)
     n, vocab = logits.shape
     running_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=logits.device)
@@ -170,16 +170,24 @@ def _trl_module(name: str):
 TRL_MASKED = -(2.0**100)
 
 
-def trl_cuda(logits: Tensor, ids: Tensor, temperature: float) -> Tensor:
+def trl_cuda(logits: Tensor, ids: Tensor, temps: Tensor) -> Tensor:
     """`trl` on CUDA: TRL's own per-token fold (`trl.kernels.chunked_logprob._forward_kernel`)
-    over the logit tiles, the Triton kernel ChunkedLogProbFunction launches. Masked (-inf)
-    logits fold as TRL_MASKED, and an id at -inf reads -inf, as on the CPU."""
-    m = _trl_module("trl.kernels.chunked_logprob")
+    over the logit tiles, the Triton kernel ChunkedLogProbFunction launches, once per
+    temperature and id column. Masked (-inf) logits fold as TRL_MASKED (replaced once a call,
+    whatever its temperatures and columns), and an id at -inf reads -inf, as on the CPU."""
     masked = torch.isneginf(logits)
-    if bool(masked.any()):
-        if logits.dtype == torch.float16:
-            raise ValueError("trl on CUDA takes truncated fp16 rows nowhere: use bf16 or fp32 logits")
-        logits = logits.masked_fill(masked, TRL_MASKED)
+    if not bool(masked.any()):
+        return _by_temperature(_trl_fold_cuda, logits, ids, temps)
+    if logits.dtype == torch.float16:
+        raise ValueError("trl on CUDA takes truncated fp16 rows nowhere: use bf16 or fp32 logits")
+    out = _by_temperature(_trl_fold_cuda, logits.masked_fill(masked, TRL_MASKED), ids, temps)
+    return out.masked_fill(masked.gather(1, ids), float("-inf"))
+
+
+def _trl_fold_cuda(logits: Tensor, ids: Tensor, temperature: float) -> Tensor:
+    """TRL's Triton fold of rows with no -inf (`trl_cuda` puts TRL_MASKED there): the log-prob
+    of ids [n] at one temperature."""
+    m = _trl_module("trl.kernels.chunked_logprob")
     n, vocab = logits.shape
     f32 = dict(dtype=torch.float32, device=logits.device)
     stats = [torch.full((n,), float("-inf"), **f32)] + [torch.zeros((n,), **f32) for _ in range(4)]
@@ -191,8 +199,7 @@ def trl_cuda(logits: Tensor, ids: Tensor, temperature: float) -> Tensor:
             tile, tile.stride(0), ids, *stats, before, target, start, tile.shape[1],
             1.0, 1.0, 1 / temperature, HAS_SOFTCAP=False, BLOCK_SIZE=m._BLOCK_SIZE, **flags,
         )  # fmt: skip
-    out = target - (stats[0] + torch.log(stats[1]))
-    return out.masked_fill(masked.gather(1, ids[:, None])[:, 0], float("-inf"))
+    return target - (stats[0] + torch.log(stats[1]))
 
 
 def trl_selective_cuda(logits: Tensor, ids: Tensor, temperature: float) -> Tensor:
