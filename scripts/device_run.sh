@@ -10,6 +10,9 @@
 #   bash scripts/device_run.sh budget      # the bench's prefill at 8192 / 16384 / 32768 tokens a step
 #   bash scripts/device_run.sh bench       # samebits bench exact,fast at 1, 64 and the largest batch
 #                                          # that fits 1k context: 96 on an H100, 256 on an H200 (~450 s)
+#   bash scripts/device_run.sh omni        # samebits bench exact at 1 and 64 on the Qwen3-Omni thinker
+#                                          # (48 layers, random, /dev/shm/omni48; removes /dev/shm/q48:
+#                                          # host memory holds one of them), for the Omni-vs-Qwen target
 #   bash scripts/device_run.sh profile     # benchmarks/decode_profile.py, every kernel of a decode step
 #                                          # at batch 1 and 64, exact and fast, 48 layers (~300 s)
 #   bash scripts/device_run.sh probe       # the 48-layer probe: 0 mismatches in every exact arm
@@ -26,9 +29,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-tests-new | tests-all | sample | tiles | prefill-ab | budget | bench | profile | probe | probe-formulas | trl-steps) ;;
+tests-new | tests-all | sample | tiles | prefill-ab | budget | bench | omni | profile | probe | probe-formulas | trl-steps) ;;
 *)
-    sed -n 2,24p "$0"
+    sed -n 2,28p "$0"
     exit 2
     ;;
 esac
@@ -100,6 +103,14 @@ bench)
     # included); bench.json is rewritten after each arm, so a stopped run keeps the exact arm
     run bench timeout $((585 - SECONDS)) python3 -m samebits.cli bench --model $q48 --arms exact,fast --batches $batches \
         --num-prompts 0 --out "$OUT/bench"
+    ;;
+omni)
+    rm -rf $q48
+    [ -f /dev/shm/omni48/config.json ] || python3 -c "import sys; sys.path.insert(0, 'benchmarks')
+from pathlib import Path; from probe_omni import write_random_thinker
+write_random_thinker(Path('/dev/shm/omni48'), 48, 0, 'cuda')"
+    run omni timeout $((585 - SECONDS)) python3 -m samebits.cli bench --model /dev/shm/omni48 --arms exact \
+        --batches 1,64 --num-prompts 0 --out "$OUT/omni"
     ;;
 profile)
     checkpoint

@@ -11,6 +11,7 @@ Each detector has a negative control: with the trap let in, the detector reports
 from __future__ import annotations
 
 import pytest
+import torch
 
 from samebits.bench import generate as bench_generate
 from samebits.engine.llm import LLM
@@ -99,7 +100,9 @@ def test_prefill_detector_catches_repeated_prompts_with_prefix_caching_on(tiny, 
     detector sees the skipped prefill, and measure_generate refuses the result itself."""
     same = bench_generate.random_prompts
 
-    monkeypatch.setattr(bench_generate, "random_prompts", lambda v, n, length, seed: same(v, n, length, 0))
+    monkeypatch.setattr(
+        bench_generate, "random_prompts", lambda v, n, length, seed, banned=(): same(v, n, length, 0, banned)
+    )
     llm = _llm(tiny, True)
     calls = _spy(llm, monkeypatch)
     with pytest.raises(RuntimeError, match="prefix cache"):
@@ -128,3 +131,16 @@ def test_floors_at_the_qwen3_30b_a3b_shape_are_the_documented_ones():
     )
     assert core.floors(cfg, 64, 1024, h100)[1] == pytest.approx(134_720, abs=1)
     assert core.floors(cfg, 1, 1024, "cpu")[0] is None  # no nominal bandwidth: no decode floor stated
+
+
+def test_bench_prompts_never_hold_a_familys_placeholder_ids():
+    """The bench's random prompts leave out `family.never_sample` (the Omni thinker's image,
+    video and audio placeholders: a text prompt holding one is refused by the engine). Control:
+    the same draw with nothing banned holds them; with nothing banned the draw is randint's."""
+    banned = (3, 7, 11)
+    got = torch.tensor(bench_generate.random_prompts(16, 8, 64, seed=0, banned=banned))
+    assert not torch.isin(got, torch.tensor(banned)).any()
+    assert set(got.unique().tolist()) == set(range(16)) - set(banned)
+    plain = torch.tensor(bench_generate.random_prompts(16, 8, 64, seed=0))
+    assert torch.isin(plain, torch.tensor(banned)).any()
+    assert torch.equal(plain, torch.randint(0, 16, (8, 64), generator=torch.Generator().manual_seed(0)))

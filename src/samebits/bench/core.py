@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from samebits.bench.generate import generate_max_len, measure_generate, measure_rollout, sync
+from samebits.bench.generate import generate_max_len, measure_generate, measure_rollout, random_ids, sync
 from samebits.bench.report import EXACT_TRAINER, STOCK_TRAINER, BenchResult, Row
 from samebits.engine.sampler import SampleRequest
 from samebits.engine.scheduler import ScheduledBatch, ScheduledChunk
@@ -145,7 +145,7 @@ def decode_batch(llm, batch: int, context: int):
     seqs = []
     try:
         for i in range(batch):
-            ids = torch.randint(0, llm.config.vocab_size, (context,), generator=g).tolist()
+            ids = random_ids(llm.config.vocab_size, (context,), g, llm.family.never_sample).tolist()
             seq = Sequence(seq_id=-1 - i, index=i, prompt_token_ids=ids, params=SamplingParams(max_tokens=1))
             llm.block_manager.allocate(seq, context)
             seq.num_computed_tokens = context - 1

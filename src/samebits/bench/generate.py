@@ -81,10 +81,26 @@ class RolloutTimes:
         return self.requests * self.new_tokens / self.seconds
 
 
-def random_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
+def random_prompts(
+    vocab_size: int, count: int, length: int, seed: int, banned: tuple[int, ...] = ()
+) -> list[list[int]]:
     """`count` prompts of `length` token ids drawn uniformly (a fixed seed: every arm gets the same)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (count, length), generator=g).tolist()
+    return random_ids(vocab_size, (count, length), torch.Generator().manual_seed(seed), banned).tolist()
+
+
+def random_ids(
+    vocab_size: int, shape, generator: torch.Generator, banned: tuple[int, ...] = ()
+) -> torch.Tensor:
+    """Token ids of `shape` drawn uniformly from the vocabulary less `banned`: a family's
+    placeholder ids (`family.never_sample`: the Omni thinker's image, video and audio tokens),
+    which a text prompt cannot hold (the engine refuses a placeholder without its features).
+    With none banned, the draw of `torch.randint(0, vocab_size, shape)`."""
+    if not banned:
+        return torch.randint(0, vocab_size, shape, generator=generator)
+    allowed = torch.ones(vocab_size, dtype=torch.bool)
+    allowed[list(banned)] = False
+    ids = allowed.nonzero()[:, 0]
+    return ids[torch.randint(0, len(ids), shape, generator=generator)]
 
 
 def first_decode_tokens(batch: int, context: int, max_num_batched_tokens: int) -> int:
@@ -186,7 +202,9 @@ def measure_generate(
     shapes = (1, first, first + extra)  # max_tokens of the timed calls, in order
 
     def prompts(i: int) -> list[list[int]]:  # fresh prompts each call: no cache could reuse a prefill
-        return random_prompts(llm.config.vocab_size, batch, context, seed=seed + 1000 * batch + i)
+        return random_prompts(
+            llm.config.vocab_size, batch, context, seed + 1000 * batch + i, llm.family.never_sample
+        )
 
     if warm:
         for i, n in enumerate(shapes):
@@ -211,7 +229,7 @@ def generate_max_len(context: int, batches, extra: int, max_num_batched_tokens: 
 def measure_rollout(llm, requests: int, prompt_len: int, new_tokens: int, seed: int = 0) -> RolloutTimes:
     """One rollout as an RL step issues it: `requests` prompts of `prompt_len` tokens, each
     generating `new_tokens`, in one `generate` call (kernels already warmed by the decode points)."""
-    prompts = random_prompts(llm.config.vocab_size, requests, prompt_len, seed=seed)
+    prompts = random_prompts(llm.config.vocab_size, requests, prompt_len, seed, llm.family.never_sample)
     seconds = timed_generate(llm, prompts, new_tokens, seed=seed)
     return RolloutTimes(requests, prompt_len, new_tokens, seconds)
 
