@@ -66,6 +66,10 @@ def test_serve_flag_reaches_the_engine(tiny, tmp_path):
     ckpt = add_tiny_tokenizer(shutil.copytree(tiny, tmp_path / "tiny-tok"))
     srv = Server(ckpt, "--max-num-seqs", "2", "--max-model-len", "64", "--logprob-formula", "verl")
     try:
+        # a logits mode names no formula, so the server's verl applies: refused as a 400 naming
+        # both; the requests after it are served
+        sp = {"temperature": T, "max_new_tokens": 8, "logprobs_mode": "raw_logits"}
+        bad = httpx.post(f"{srv.url}/generate", json={"input_ids": [5, 9], "sampling_params": sp}, timeout=120)
         got = []
         for i, prompt in enumerate([[5, 9, 11, 4], [8, 6, 7]]):
             sp = {"temperature": T, "max_new_tokens": 8, "ignore_eos": True, "sampling_seed": i}
@@ -75,6 +79,7 @@ def test_serve_flag_reaches_the_engine(tiny, tmp_path):
             got.append((prompt, answer["output_ids"], lps))
     finally:
         srv.stop()
+    assert bad.status_code == 400 and "logprobs_mode" in bad.text and "'verl'" in bad.text, bad.text
     model = trainer.load_hf_model(ckpt, dtype=torch.bfloat16)
     for prompt, tokens, lps in got:
         logits, ids = _hf_rows(model, prompt, tokens)
