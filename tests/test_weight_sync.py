@@ -405,3 +405,93 @@ def test_a_refused_join_answers_at_once_on_the_trainer_side(client):
     once instead of waiting out the 30-minute rendezvous it started."""
     with pytest.raises(WeightSyncError, match="already exists"):
         client.init_weights_update_group("127.0.0.1", _free_port(), backend="gloo")
+
+
+def _slime_bucket(pairs, monkeypatch, edit=None) -> tuple[str, torch.Tensor]:
+    """slime's colocated payload, step by step as its released code builds it
+    (`update_weight_from_tensor._build_flattened_tensor_data` at THUDM/slime 624b824: SGLang
+    0.5.23's `FlattenedTensorBucket(named_tensors=...)`, then
+    `MultiprocessingSerializer.serialize(..., output_str=True)`): each tensor's bytes
+    (`flatten().view(torch.uint8)`) concatenated, one metadata object a tensor, a ForkingPickler
+    dump in base64. SGLang does not install on CI (its wheel is 39 MB for CPython 3.11 with CUDA
+    kernels), so its metadata class is a dataclass of the same name and fields under its module
+    path. `edit(metadata)` changes the metadata before the dump. -> (payload, the bucket's bytes:
+    kept alive until the server answered, as slime keeps its `long_live_tensors`)."""
+    import base64
+    import dataclasses
+    import io
+    import types
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as torch_mp
+
+    path = "sglang.srt.weight_sync.tensor_bucket"
+    cls = dataclasses.make_dataclass(
+        "FlattenedTensorMetadata", ["name", "shape", "dtype", "start_idx", "end_idx", "numel"]
+    )
+    cls.__module__ = path
+    for name in ("sglang", "sglang.srt", "sglang.srt.weight_sync", path):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules[path].FlattenedTensorMetadata = cls
+    flat, metadata, at = [], [], 0
+    for name, tensor in pairs:
+        flat.append(tensor.flatten().view(torch.uint8))
+        metadata.append(cls(name, tensor.shape, tensor.dtype, at, at + flat[-1].numel(), flat[-1].numel()))
+        at += flat[-1].numel()
+    if edit:
+        edit(metadata)
+    torch_mp.set_sharing_strategy("file_system")  # CPU tensors over HTTP (SGLang's are CUDA IPC)
+    buf = io.BytesIO()
+    flattened = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+    ForkingPickler(buf).dump({"flattened_tensor": flattened, "metadata": metadata})
+    return base64.b64encode(buf.getvalue()).decode(), flattened
+
+
+def test_slimes_flattened_bucket_loads_every_tensor(tiny, client, monkeypatch):
+    """`/update_weights_from_tensor` with `load_format: "flattened_bucket"`, as slime's colocated
+    sync sends it: every parameter in one bucket; the server's digests then equal the trainer's
+    and weight_version follows; slime's empty bucket loads nothing. A range outside the bytes is a
+    400 naming the tensor, and nothing changes. Controls: the bucket without its load_format is
+    refused (a plain tensor list does not name SGLang's class); two same-sized tensors with their
+    byte ranges swapped load each other's bits."""
+    master = _trained(tiny)
+    with torch.no_grad():
+        for p in master.parameters():
+            p.mul_(0.75)  # weights no other test pushes
+    pairs = client.prepare(master.named_parameters())
+    want = client.local_digests(pairs)
+    assert client.weight_digests() != want
+
+    def push(edit=None, subset=None, load_format="flattened_bucket") -> dict:
+        payload, alive = _slime_bucket(pairs if subset is None else subset, monkeypatch, edit)
+        body = {"serialized_named_tensors": [payload], "flush_cache": False, "weight_version": "bucket-1"}
+        answer = client.post("/update_weights_from_tensor", body | {"load_format": load_format})
+        del alive  # only now may the bytes go
+        return answer
+
+    with pytest.raises(WeightSyncError, match="400.*FlattenedTensorMetadata; only tensors may be sent"):
+        push(load_format=None)
+    before = client.weight_digests()
+
+    def past_the_end(metadata):
+        metadata[-1].end_idx += 2
+        metadata[-1].numel += 2
+
+    with pytest.raises(WeightSyncError, match=f"400.*{pairs[-1][0]}.*inside the bucket"):
+        push(past_the_end)
+    assert client.weight_digests() == before
+    assert f"updated {len(pairs)} tensors" in push()["message"]
+    assert client.weight_digests() == want and client.get_weight_version() == "bucket-1"
+    assert "updated 0 tensors" in push(subset=[])["message"]  # slime's, for a rank with nothing to load
+    a, b = next((i, j) for i, (_, t) in enumerate(pairs) for j, (_, u) in enumerate(pairs[i + 1 :], i + 1)
+                if t.shape == u.shape and t.dtype == u.dtype)  # fmt: skip
+
+    def swapped(metadata):
+        for f in ("start_idx", "end_idx"):
+            x, y = getattr(metadata[a], f), getattr(metadata[b], f)
+            setattr(metadata[a], f, y)
+            setattr(metadata[b], f, x)
+
+    push(swapped)
+    got = client.weight_digests()
+    assert got[pairs[a][0]] == want[pairs[b][0]] != want[pairs[a][0]]

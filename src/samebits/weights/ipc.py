@@ -12,6 +12,13 @@ same path works on a CPU-only machine.
 Unpickling is restricted to the globals a list of tensors needs (torch's rebuild functions,
 storage classes, dtypes): a pickle naming anything else is refused, so a request body
 cannot run code in the engine.
+
+`load_format="flattened_bucket"` (slime's colocated sync, SGLang 0.5's `FlattenedTensorBucket`):
+each entry pickles `{"flattened_tensor": uint8 [bytes], "metadata": [FlattenedTensorMetadata]}`,
+every tensor's bytes back to back (`tensor.flatten().view(torch.uint8)`, concatenated; one bucket
+may mix dtypes) and, per tensor, its name, shape, dtype and byte range. `deserialize_bucket` reads
+it: the metadata class at the two paths SGLang releases pickle it from is read into `BucketEntry`
+(its fields, no code of SGLang's), and each tensor is a view of the bucket's bytes.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import base64
 import binascii
 import io
 import pickle
+from dataclasses import dataclass, fields
 from multiprocessing.reduction import ForkingPickler
 
 import torch
@@ -48,8 +56,33 @@ def serialize(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+# SGLang's FlattenedTensorMetadata: sglang.srt.weight_sync.tensor_bucket since 0.5 (slime falls
+# back to the older sglang.srt.model_executor.model_runner import)
+_BUCKET_METADATA = {
+    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),
+    ("sglang.srt.model_executor.model_runner", "FlattenedTensorMetadata"),
+}
+
+
+@dataclass
+class BucketEntry:
+    """One tensor of a flattened bucket: SGLang's FlattenedTensorMetadata fields (byte range
+    [start_idx, end_idx) of the bucket, numel its byte count)."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
 class _Unpickler(pickle.Unpickler):
+    buckets = False  # whether SGLang's bucket metadata may be named
+
     def find_class(self, module: str, name: str):
+        if self.buckets and (module, name) in _BUCKET_METADATA:
+            return BucketEntry
         allowed = (module, name) in _ALLOWED or (module == _REBUILDERS and name.startswith("rebuild_"))
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             allowed = True
@@ -61,16 +94,22 @@ class _Unpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def deserialize(data: str | bytes) -> list[tuple[str, torch.Tensor]]:
-    """The inverse of `serialize` -> [(name, tensor)] (CUDA tensors: views of the sender's
-    memory). ValueError when the text is not such a pickle."""
+def _load(data: str | bytes, buckets: bool = False):
     try:
         raw = base64.b64decode(data, validate=True) if isinstance(data, str) else bytes(data)
-        named = _Unpickler(io.BytesIO(raw)).load()
+        unpickler = _Unpickler(io.BytesIO(raw))
+        unpickler.buckets = buckets
+        return unpickler.load()
     except (binascii.Error, pickle.UnpicklingError, EOFError, TypeError, AttributeError) as e:
         raise ValueError(f"serialized_named_tensors: not a serialized tensor list: {e}") from e
     except RuntimeError as e:  # a handle that cannot be opened (another GPU, a freed tensor)
         raise ValueError(f"serialized_named_tensors: could not open the tensors: {e}") from e
+
+
+def deserialize(data: str | bytes) -> list[tuple[str, torch.Tensor]]:
+    """The inverse of `serialize` -> [(name, tensor)] (CUDA tensors: views of the sender's
+    memory). ValueError when the text is not such a pickle."""
+    named = _load(data)
     if isinstance(named, dict):
         named = list(named.items())
     if not isinstance(named, list) or not all(
@@ -79,3 +118,51 @@ def deserialize(data: str | bytes) -> list[tuple[str, torch.Tensor]]:
     ):
         raise ValueError("serialized_named_tensors: expected a list of (name, tensor) pairs")
     return [(name, tensor) for name, tensor in named]
+
+
+def deserialize_bucket(data: str | bytes) -> list[tuple[str, torch.Tensor]]:
+    """One `flattened_bucket` entry (SGLang's MultiprocessingSerializer of slime's bucket dict) ->
+    [(name, tensor)], each a view of the bucket's bytes (CUDA: of the sender's memory). An empty
+    bucket (slime sends one to a rank with nothing to load) is []. ValueError naming what is wrong:
+    not a bucket, a range outside the bytes or not the shape's size, a misaligned tensor."""
+    bucket = _load(data, buckets=True)
+    if not isinstance(bucket, dict) or set(bucket) != {"flattened_tensor", "metadata"}:
+        raise ValueError(
+            "serialized_named_tensors: a flattened_bucket entry is a dict of 'flattened_tensor' and "
+            "'metadata' (SGLang's FlattenedTensorBucket)"
+        )
+    flat, metadata = bucket["flattened_tensor"], bucket["metadata"]
+    if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise ValueError("serialized_named_tensors: flattened_tensor must be a 1-D uint8 tensor")
+    if not isinstance(metadata, list) or not all(isinstance(m, BucketEntry) for m in metadata):
+        raise ValueError("serialized_named_tensors: metadata must be a list of FlattenedTensorMetadata")
+    out = []
+    for m in metadata:
+        missing = [f.name for f in fields(BucketEntry) if f.name not in vars(m)]
+        if missing:
+            raise ValueError(f"serialized_named_tensors: bucket metadata lacks {missing}")
+        ints = (m.start_idx, m.end_idx, m.numel, *m.shape) if isinstance(m.shape, tuple | list) else None
+        if (
+            not isinstance(m.name, str)
+            or not isinstance(m.dtype, torch.dtype)
+            or ints is None
+            or not all(type(i) is int and i >= 0 for i in ints)
+        ):
+            raise ValueError(
+                f"serialized_named_tensors: bucket entry {m.name!r}: needs a str name, a torch dtype (got "
+                f"{m.dtype!r}), and a shape and byte range of ints >= 0"
+            )
+        size = torch.Size(m.shape).numel() * m.dtype.itemsize
+        if not (m.end_idx - m.start_idx == m.numel == size and m.end_idx <= flat.numel()):
+            raise ValueError(
+                f"serialized_named_tensors: bucket entry {m.name!r} (shape {list(m.shape)}, {m.dtype}) "
+                f"takes bytes [{m.start_idx}, {m.end_idx}) of {flat.numel()}, numel {m.numel}: it needs "
+                f"{size} bytes inside the bucket"
+            )
+        if m.start_idx % m.dtype.itemsize:
+            raise ValueError(
+                f"serialized_named_tensors: bucket entry {m.name!r} starts at byte {m.start_idx}, not a "
+                f"multiple of {m.dtype}'s {m.dtype.itemsize} bytes"
+            )
+        out.append((m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)))
+    return out

@@ -144,14 +144,18 @@ class WeightReceiver:
     def update_weights_from_tensor(
         self, serialized_named_tensors, load_format: str | None = None, flush_cache: bool = True, **_
     ) -> str:
-        if load_format not in (None, "direct"):
-            raise ValueError(f"load_format: {load_format!r} is not supported; leave it out (or 'direct')")
+        if load_format not in (None, "direct", "flattened_bucket"):
+            raise ValueError(
+                f"load_format: {load_format!r} is not supported; leave it out (or 'direct', or "
+                "'flattened_bucket': SGLang's FlattenedTensorBucket)"
+            )
         if not isinstance(serialized_named_tensors, list) or len(serialized_named_tensors) != 1:
             raise ValueError(
                 "serialized_named_tensors: one entry per tensor-parallel rank; this engine has one rank"
             )
         t0 = time.perf_counter()
-        named = ipc.deserialize(serialized_named_tensors[0])
+        read = ipc.deserialize_bucket if load_format == "flattened_bucket" else ipc.deserialize
+        named = read(serialized_named_tensors[0])
         opened = time.perf_counter()
         self.llm.update_weights(named)
         if self.llm.runner.device.type == "cuda":
