@@ -21,7 +21,9 @@ T = 0.8
 
 @pytest.fixture(scope="module")
 def server(ckpt):
-    srv = Server(ckpt, "--max-num-seqs", "4", "--max-model-len", "128", "--block-size", "8")
+    srv = Server(
+        ckpt, "--max-num-seqs", "4", "--max-model-len", "128", "--block-size", "8", "--enable-memory-saver"
+    )
     yield srv
     srv.stop()
 
@@ -41,6 +43,13 @@ def test_info_endpoints_carry_the_servers_own_values(server, ckpt):
     assert args["context_length"] == 128 and args["max_running_requests"] == 4 and args["page_size"] == 8
     assert (args["tp_size"], args["dp_size"], args["pp_size"], args["nnodes"]) == (1, 1, 1, 1)
     assert args["disable_radix_cache"] is False and args["weight_version"] == version
+    assert args["enable_memory_saver"] is True  # --enable-memory-saver (test_serve_trl's server: False)
+    assert f"http://{args['host']}:{args['port']}" == server.url
+    # SGLang 0.5's names, which slime reads first: /server_info (beside vLLM's keys) and /model_info
+    assert (
+        _get(server, "/server_info").items() >= {k: v for k, v in args.items() if k != "weight_version"}.items()
+    )
+    assert _get(server, "/model_info") == info
     assert _get(server, "/health_generate") == {}
     assert server.metric("samebits_kv_blocks_used") == 0
 

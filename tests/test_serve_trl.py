@@ -151,7 +151,10 @@ def test_dev_endpoints_answer_as_vllms(client, server):
     assert client.reset_prefix_cache() is None
     r = httpx.post(f"{server.url}/reset_prefix_cache", timeout=60)
     assert r.status_code == 200 and r.json()["success"] is True
-    assert isinstance(httpx.get(f"{server.url}/server_info", timeout=60).json()["vllm_config"], str)
+    text = httpx.get(f"{server.url}/server_info", timeout=60).json()
+    assert isinstance(text["vllm_config"], str)
+    # beside vLLM's keys, SGLang's (its /server_info): started without --enable-memory-saver
+    assert text["enable_memory_saver"] is False and text["context_length"] == 256
 
 
 def test_vllm_weight_transfer_on_a_cpu_engine_is_refused_naming_cuda(client, server):

@@ -22,8 +22,8 @@ def add_parser(sub) -> None:
         help="serve a checkpoint over HTTP: OpenAI /v1/completions and /v1/chat/completions, SGLang /generate",
         description="Runs the engine in a process of its own behind FastAPI + uvicorn. Endpoints: /health, "
         "/v1/models, /v1/completions, /v1/chat/completions, /generate, /abort_request, /metrics; vLLM's "
-        "/get_world_size, /server_info, /reset_prefix_cache (for TRL's VLLMClient); SGLang's /get_model_info, "
-        "/get_server_info, /health_generate, /pause_generation, /continue_generation; "
+        "/get_world_size, /server_info, /reset_prefix_cache (for TRL's VLLMClient); SGLang's /model_info "
+        "(/get_model_info), /server_info (/get_server_info), /health_generate, /pause_generation, /continue_generation; "
         "and SGLang's weight sync for a trainer in another process: /init_weights_update_group, "
         "/update_weights_from_distributed, /update_weights_from_tensor, /update_weights_from_disk, "
         "/release_memory_occupation, /resume_memory_occupation, /flush_cache, /get_weight_version, "
@@ -40,6 +40,13 @@ def add_parser(sub) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     s.add_argument("--served-model-name", default=None, help="name in the API (default: the dir's, or 'tiny')")
+    s.add_argument(
+        "--enable-memory-saver",
+        action="store_true",
+        help="report enable_memory_saver: true in /server_info and /get_server_info, as an SGLang server "
+        "started with it does (slime's external-engine check compares it with its --offload-rollout); "
+        "/release_memory_occupation and /resume_memory_occupation are served either way",
+    )
     s.add_argument("--device", type=cli_checks.device, default="cpu", help="cpu or cuda[:i] (default cpu)")
     s.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     s.add_argument(
@@ -249,7 +256,8 @@ def run(args) -> int:
         return 2
     sock.listen(2048)
     port = sock.getsockname()[1]
-    app = build_app(engine, name, keys, limits, weight_dirs, settings)
+    served = settings | {"host": args.host, "port": port, "enable_memory_saver": args.enable_memory_saver}
+    app = build_app(engine, name, keys, limits, weight_dirs, served)
 
     @asynccontextmanager
     async def lifespan(_):

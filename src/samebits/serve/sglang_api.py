@@ -1,10 +1,11 @@
 """SGLang's info endpoints, which slime, AReaL and OpenRLHF's SGLang path read, in SGLang's shapes.
 
-- GET /get_model_info: `model_path`, `tokenizer_path`, `is_generation`, `preferred_sampling_params`
-  (null: none) and, with the engine process, `weight_version`;
+- GET /model_info and /get_model_info: `model_path`, `tokenizer_path`, `is_generation`,
+  `preferred_sampling_params` (null: none) and, with the engine process, `weight_version`;
 - GET /get_server_info: the server's settings under SGLang's `ServerArgs` names, each the
   server's own value (one engine on one device: every parallel size 1); fields samebits has no
-  counterpart for are left out, not invented;
+  counterpart for are left out, not invented. SGLang 0.5 names it /server_info, the route vLLM's
+  clients read too: there (vllm_api.py) the same fields sit beside `vllm_config`;
 - GET /health_generate: 200 `{}` once the engine has sampled one token of a one-token prompt
   (SGLang's check that generation works, not only the process); 503 with an error body if not.
 """
@@ -49,17 +50,20 @@ def server_args(engine, model_name: str, settings: dict) -> dict:
         "ep_size": 1,
         "nnodes": 1,
         "node_rank": 0,
-    }
+        "enable_memory_saver": bool(settings.get("enable_memory_saver", False)),
+    } | {k: settings[k] for k in ("host", "port") if k in settings}
 
 
 def register(app: FastAPI, engine, model_name: str, settings: dict | None = None) -> None:
     settings = settings or {}
 
-    @app.get("/get_model_info")
-    async def get_model_info():
+    async def model_info():
         path = str(getattr(engine, "path", settings.get("model", "")))
         info = {"model_path": path, "tokenizer_path": path, "is_generation": True}
         return info | {"preferred_sampling_params": None} | await _weight_version(engine)
+
+    for path in ("/model_info", "/get_model_info"):  # SGLang 0.5's name, and the older one it keeps
+        app.add_api_route(path, model_info, methods=["GET"])
 
     @app.get("/get_server_info")
     async def get_server_info():

@@ -7,7 +7,9 @@
   the server's own. `model_config.logprobs_mode` is the engine's (`samebits serve
   --logprobs-mode`, vLLM's flag and names; `trl vllm-serve` starts vLLM with processed_logprobs).
   `weight_transfer_config` is `{"backend": "nccl"}` where the engine is on CUDA (the four
-  endpoints below), else SGLang's endpoints (`weights_api.py`), or null where it has none;
+  endpoints below), else SGLang's endpoints (`weights_api.py`), or null where it has none.
+  Beside those two keys, SGLang's `ServerArgs` fields (`sglang_api.server_args`): SGLang 0.5
+  serves them at this path, and slime reads it first;
 - POST /reset_prefix_cache: drops the prefix cache once nothing is in flight: `{"success"}`;
 - POST /init_weight_transfer_engine `{"init_info": {master_address, master_port, rank_offset,
   world_size, packed?, packed_buffer_size_bytes?, packed_num_buffers?}}`, /start_weight_update
@@ -30,6 +32,7 @@ from pydantic import Field
 
 from samebits.requests.sampling_params import MAX_LOGPROBS
 from samebits.serve.errors import error_response
+from samebits.serve.sglang_api import server_args
 from samebits.serve.weights_api import _Body, _run, call
 from samebits.weights.vllm_transfer import DEFAULT_BUFFER_BYTES
 
@@ -134,7 +137,10 @@ def register(app: FastAPI, engine, model_name: str, settings: dict | None = None
     @app.get("/server_info")
     async def server_info(config_format: Annotated[Literal["text", "json"], Query()] = "text"):
         config = vllm_config(engine, model_name, settings)
-        return {"vllm_config": config if config_format == "json" else str(config), "vllm_env": {}}
+        # SGLang 0.5's /server_info is its ServerArgs (slime reads it before /get_server_info):
+        # those fields beside vLLM's two keys, each client reading its own
+        sglang = server_args(engine, model_name, settings)
+        return sglang | {"vllm_config": config if config_format == "json" else str(config), "vllm_env": {}}
 
     if hasattr(engine, "call"):
 
