@@ -8,10 +8,12 @@ each step's mismatch count (TRL's recompute against the rollout's log-probs) and
 The engine is an in-process `samebits.LLM` (weights pushed with `update_weights` at every
 step, `steps_per_generation=1`: TRL's default cadence, so every step is a rollout, a push and
 one optimizer step). At the 48-layer shape the trainer's bf16 model and the engine's copy are
-61 GB each, so it needs an H200; `--freeze experts` keeps the gradients small and the optimizer
-is SGD (no state). Per step it prints TRL's `sampling/sampling_logp_difference/max` and the
-integration's `samebits/logprob_mismatch_count` and `samebits/logprob_tokens`, which the
-integration computes from TRL's own recompute (docs/integrations.md, "Metrics").
+61 GB each, so it needs an H200, or `--share-weights` (the engine on the trainer's own tensors,
+`LLM(weights=...)`: a push forgets the prefix cache, no copy) on an 80 GB card; `--freeze
+experts` keeps the gradients small and the optimizer is SGD (no state). Per step it prints
+TRL's `sampling/sampling_logp_difference/max` and the integration's
+`samebits/logprob_mismatch_count` and `samebits/logprob_tokens`, which the integration computes
+from TRL's own recompute (docs/integrations.md, "Metrics").
 The first step compiles Triton kernels and captures CUDA graphs: its time is not the rate.
 """
 
@@ -37,6 +39,9 @@ def main() -> None:
     p.add_argument("--n", type=int, default=4, help="completions a prompt (TRL's num_generations)")
     p.add_argument("--max-tokens", type=int, default=64, help="TRL's max_completion_length")
     p.add_argument("--freeze", default="", help="comma-separated groups to freeze (experts, router, ...)")
+    p.add_argument("--share-weights", action="store_true",
+                   help="the engine runs on the trainer's own tensors (LLM(weights=...)): one copy of the "
+                        "model, so the 48-layer shape fits an 80 GB card")  # fmt: skip
     p.add_argument("--out", default=None, help="write the per-step results as JSON")
     args = p.parse_args()
 
@@ -67,7 +72,10 @@ def main() -> None:
     if patterns:
         freeze(model, patterns)
     seqs = args.prompts * args.n
-    llm = samebits.LLM(path, device=args.device, max_num_seqs=seqs, max_model_len=64 + args.max_tokens)
+    shared = {"weights": model.named_parameters(remove_duplicate=False)} if args.share_weights else {}
+    llm = samebits.LLM(
+        path, device=args.device, max_num_seqs=seqs, max_model_len=64 + args.max_tokens, **shared
+    )
     rollout = sbtrl.rollout_func(llm, seed=1, check_digests=args.layers == 0)  # digests hash 61 GB a push
     words = "the cat sat on a mat while it rained and we read old books by the fire".split()
     prompts = [" ".join(words[i % 7 : i % 7 + 3 + i % 5]) for i in range(64)]  # of different lengths
@@ -121,7 +129,13 @@ def main() -> None:
     ]
     for r in rows:
         print(r)
-    doc = {"model": str(path), "device": args.device, "syncs": rollout.syncs, "steps": rows}
+    doc = {
+        "model": str(path),
+        "device": args.device,
+        "shared_weights": args.share_weights,
+        "syncs": rollout.syncs,
+    }
+    doc["steps"] = rows
     if torch.cuda.is_available():
         doc["card"] = torch.cuda.get_device_name()
     if args.out:

@@ -20,8 +20,9 @@
 #                                          # T 0.7 and 1.3 (issue 42), 300 tokens a request
 #                                          # (PROBE_ARMS="trl:0.7 verl:1.3" runs those only)
 #   bash scripts/device_run.sh trl-steps   # benchmarks/trl_grpo_steps.py: TRL's GRPOTrainer, 3 steps,
-#                                          # 48 layers on an H200 (trainer + engine ~122 GB), 24 on an
-#                                          # H100; carry .whl-trl only (`scripts/device_wheels.sh trl`)
+#                                          # 48 layers: on an H200 trainer + engine copy (~122 GB), on an
+#                                          # H100 --share-weights (one copy); carry .whl-trl only
+#                                          # (`scripts/device_wheels.sh trl`)
 #
 # Run from the repository root on the device machine, with `.whl` carried (scripts/device_wheels.sh
 # fetches it here). Logs and JSONs go to $OUT (the device tool's folder that comes back).
@@ -31,7 +32,7 @@ cd "$(dirname "$0")/.."
 case "${1:-}" in
 tests-new | tests-all | sample | tiles | prefill-ab | budget | bench | omni | profile | probe | probe-formulas | trl-steps) ;;
 *)
-    sed -n 2,28p "$0"
+    sed -n 2,29p "$0"
     exit 2
     ;;
 esac
@@ -131,9 +132,9 @@ probe-formulas)
     done
     ;;
 trl-steps)
-    layers=24
-    [ "$big_gpu" = 1 ] && layers=48
-    run trl-steps timeout $((585 - SECONDS)) python3 benchmarks/trl_grpo_steps.py --layers $layers \
-        --dir /dev/shm/q$layers --steps 3 --freeze experts --out "$OUT/trl-steps.json"
+    share=--share-weights # an H100: the engine on the trainer's tensors (one 61 GB copy)
+    [ "$big_gpu" = 1 ] && share= # an H200: the trainer's model and the engine's own copy
+    run trl-steps timeout $((585 - SECONDS)) python3 benchmarks/trl_grpo_steps.py --layers 48 \
+        --dir $q48 --steps 3 --freeze experts $share --out "$OUT/trl-steps.json"
     ;;
 esac

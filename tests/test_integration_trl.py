@@ -32,6 +32,8 @@ from samebits.engine.digest import tensor_digest  # noqa: E402
 from samebits.integrations import trl as sbtrl  # noqa: E402
 
 PROMPTS = ["hello there", "the cat sat", "what is it", "a b c d e"]
+# for the shared-weights arms: one 16-byte prefix, so every batch reuses K/V cached by the one before
+SHARED_PREFIX = ["once upon a time" + p for p in PROMPTS]
 
 
 class RecordingGRPOTrainer(GRPOTrainer):
@@ -47,8 +49,18 @@ class RecordingGRPOTrainer(GRPOTrainer):
 
 
 @contextlib.contextmanager
-def _engine(ckpt, where: str):
-    """-> (what rollout_func takes, digests(names) of the engine's tensors)."""
+def _engine(ckpt, where: str, model=None):
+    """-> (what rollout_func takes, digests(names) of the engine's tensors). "shared": an LLM
+    on `model`'s own tensors (one copy of the model, what fits a 30B trainer and its engine on
+    one 80 GB card; blocks of 4 tokens, so the prompts' K/V are cached across batches and the
+    cache must be forgotten at each push)."""
+    if where in ("shared", "shared-stale"):
+        llm = samebits.LLM(ckpt, weights=model.named_parameters(remove_duplicate=False), max_num_seqs=8,
+                           max_model_len=64, block_size=4)  # fmt: skip
+        if where == "shared-stale":  # the control: a push that keeps the cached K/V
+            llm.reset_prefix_cache = lambda: True
+        yield llm, llm.weight_digests
+        return
     if where == "llm":
         llm = samebits.LLM(ckpt, max_num_seqs=8, max_model_len=64)
         yield llm, llm.weight_digests
@@ -62,17 +74,18 @@ def _engine(ckpt, where: str):
 
 def _run(ckpt, tmp_path, where, config=None, **rollout_kwargs):
     """4 steps of GRPOTrainer with samebits' rollout -> (trainer, rollout, digest checks per batch)."""
-    with _engine(ckpt, where) as (target, engine_digests):
+    model = sb.load_hf_model(ckpt)
+    prompts = SHARED_PREFIX if where.startswith("shared") else PROMPTS
+    with _engine(ckpt, where, model) as (target, engine_digests):
         rollout = sbtrl.rollout_func(target, seed=1, **rollout_kwargs)
         try:
-            return _train(ckpt, tmp_path, rollout, engine_digests, config or {})
+            return _train(model, tmp_path, rollout, engine_digests, config or {}, prompts)
         finally:
             rollout.close()
 
 
-def _train(ckpt, tmp_path, rollout, engine_digests, config):
+def _train(model, tmp_path, rollout, engine_digests, config, prompts):
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    model = sb.load_hf_model(ckpt)
     # a third of the vocabulary ends a completion (TRL stops at its model's generation_config EOS
     # ids), so completions end early at different lengths and TRL pads them on the right too
     model.generation_config.eos_token_id = list(range(4, 384, 3))
@@ -104,7 +117,7 @@ def _train(ckpt, tmp_path, rollout, engine_digests, config):
         model=model,
         reward_funcs=reward,
         args=GRPOConfig(**(args | config)),
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
+        train_dataset=Dataset.from_dict({"prompt": prompts * 2}),
         rollout_func=rollout,
     )
     trainer.batches = []
@@ -121,7 +134,7 @@ def _differ(a, b):
     return int((a.view(torch.int32) != b.view(torch.int32)).sum())
 
 
-@pytest.mark.parametrize("where", ["server", "llm"])
+@pytest.mark.parametrize("where", ["server", "llm", "shared"])
 def test_trls_recompute_equals_the_rollout_bit_for_bit_with_a_weight_sync(ckpt, tmp_path, where):
     trainer, rollout, digests = _run(ckpt, tmp_path, where)
     assert trainer.state.global_step == 4
@@ -157,6 +170,18 @@ def test_control_the_default_formula_mismatches_trls_recompute(ckpt, tmp_path, w
     assert total > 0
     assert sum(_logged(trainer, "samebits/logprob_mismatch_count")) == total
     assert max(_logged(trainer, "sampling/sampling_logp_difference/max")) > 0
+
+
+def test_control_shared_weights_without_forgetting_the_cache_mismatch(ckpt, tmp_path):
+    """The shared-weights arm with its push's prefix-cache reset taken out: the second batch's
+    prompts reuse K/V computed before the optimizer step, and TRL's recompute on the new weights
+    differs (the reset is what makes shared weights exact)."""
+    trainer, _, digests = _run(ckpt, tmp_path, "shared-stale")
+    assert [same for same, _ in digests] == [True, True]
+    first, second = (b["completion_mask"].bool() for b in trainer.batches)
+    b0, b1 = trainer.batches
+    assert _differ(b0["old_per_token_logps"][first], b0["sampling_per_token_logps"][first]) == 0
+    assert _differ(b1["old_per_token_logps"][second], b1["sampling_per_token_logps"][second]) > 0
 
 
 def test_on_policy_batches_are_scored_by_trls_own_method_too(ckpt, tmp_path):

@@ -22,17 +22,36 @@ from samebits.requests import SamplingParams
 
 
 class LocalEngine:
-    """A `samebits.LLM` in this process; weights through `LLM.update_weights`."""
+    """A `samebits.LLM` in this process; weights through `LLM.update_weights`, or, for an LLM
+    built on the trainer's own tensors (`LLM(path, weights=model.named_parameters(...))`, one
+    copy of the model on the device), no copy: a push checks that each tensor is still the
+    engine's parameter and forgets the prefix cache (K/V of the old weights)."""
 
     def __init__(self, llm: LLM):
         self.llm = llm
+        self.shared = not llm.weight_store.owned
 
     def generate(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[tuple[list, list]]:
         outs = self.llm.generate(prompt_ids, params, progress=False)
         return [(o.token_ids, o.logprobs.tolist()) for o in outs]  # float32 -> float -> the same float32
 
     def push(self, named_tensors) -> None:
-        self.llm.update_weights(self._cast(named_tensors))
+        if not self.shared:
+            self.llm.update_weights(self._cast(named_tensors))
+            return
+        params = self.llm.weight_store.params
+        for name, tensor in named_tensors:
+            mine = params.get(name)
+            if mine is None or mine.data_ptr() != tensor.data_ptr() or mine.shape != tensor.shape:
+                raise RuntimeError(
+                    f"the engine runs on the trainer's shared tensors (LLM(weights=...)), but {name} is "
+                    + ("not one of its parameters" if mine is None else "no longer the tensor it was built on")
+                    + " (the trainer moved, cast or replaced it): build the LLM from the parameters the "
+                    "trainer trains, after they are on their device and dtype, or give the rollout an LLM "
+                    "that owns its weights"
+                )
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("pushing weights: the engine has requests in flight")
 
     def mismatched(self, named_tensors) -> list[str]:
         mine = {n: tensor_digest(t) for n, t in self._cast(named_tensors)}
