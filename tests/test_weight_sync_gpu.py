@@ -1,5 +1,6 @@
 """CUDA: a trainer process pushes its weights into `samebits serve --device cuda` on the same GPU
-by CUDA IPC handles, and through a gloo group from CUDA tensors; completions then equal the
+by CUDA IPC handles (a list of tensors, or slime's flattened bucket), and through a gloo group
+from CUDA tensors; completions then equal the
 trainer's own line on CUDA, bit for bit. (NCCL needs two GPUs: not run here.)"""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import socket
 import pytest
 import torch
 from serve_server import Server
+from test_weight_sync import _slime_bucket
 
 from samebits import batch_invariant, trainer
 from samebits.client import Client
@@ -24,8 +26,8 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("sync", ["tensor", "distributed"])
-def test_cuda_push_then_completions_equal_the_trainer_line(tiny, sync):
+@pytest.mark.parametrize("sync", ["tensor", "bucket", "distributed"])
+def test_cuda_push_then_completions_equal_the_trainer_line(tiny, sync, monkeypatch):
     server = Server(tiny, "--device", "cuda", "--max-num-seqs", "4", "--max-model-len", "128")
     try:
         client = Client(server.url, timeout=300)
@@ -36,6 +38,11 @@ def test_cuda_push_then_completions_equal_the_trainer_line(tiny, sync):
         before = client.weight_digests(kind="fast")
         if sync == "tensor":
             client.update_weights_from_tensor(model.named_parameters())
+        elif sync == "bucket":  # slime's colocated sync: one CUDA flattened bucket by IPC handle
+            payload, alive = _slime_bucket(client.prepare(model.named_parameters()), monkeypatch)
+            body = {"serialized_named_tensors": [payload], "load_format": "flattened_bucket"}
+            assert "updated" in client.post("/update_weights_from_tensor", body)["message"]
+            del alive
         else:
             client.init_weights_update_group("127.0.0.1", _port(), backend="gloo")
             client.update_weights_from_distributed(model.named_parameters())
