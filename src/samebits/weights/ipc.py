@@ -164,5 +164,8 @@ def deserialize_bucket(data: str | bytes) -> list[tuple[str, torch.Tensor]]:
                 f"serialized_named_tensors: bucket entry {m.name!r} starts at byte {m.start_idx}, not a "
                 f"multiple of {m.dtype}'s {m.dtype.itemsize} bytes"
             )
-        out.append((m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)))
+        try:
+            out.append((m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)))
+        except RuntimeError as e:  # a strided flattened_tensor, which SGLang's torch.cat never makes
+            raise ValueError(f"serialized_named_tensors: bucket entry {m.name!r}: {e}") from e
     return out
