@@ -388,15 +388,28 @@ def test_a_pickle_that_is_not_tensors_is_refused_and_runs_nothing(client, tmp_pa
             return (os.system, (f"touch {marker}",))
 
     evil = base64.b64encode(pickle.dumps([("x", Evil())])).decode()
+    # protocol 4 names a dotted attribute path: an allowed module's function's builtins' eval
+    code = f"__import__('pathlib').Path({str(marker)!r}).touch()".encode()
+    dotted = base64.b64encode(
+        b"\x80\x04ctorch.multiprocessing.reductions\nrebuild_tensor.__builtins__.get\n(X\x04\x00\x00\x00evaltR"
+        + b"(X" + len(code).to_bytes(4, "little") + code + b"tR."
+    ).decode()  # fmt: skip
     before = client.weight_digests()
     with pytest.raises(WeightSyncError, match="400.*only tensors may be sent"):
         client.post("/update_weights_from_tensor", {"serialized_named_tensors": [evil]})
+    for load_format in (None, "flattened_bucket"):
+        body = {"serialized_named_tensors": [dotted], "load_format": load_format}
+        with pytest.raises(WeightSyncError, match="400.*rebuild_tensor.__builtins__.get; only tensors"):
+            client.post("/update_weights_from_tensor", body)
     with pytest.raises(WeightSyncError, match="400.*not a serialized tensor list"):
         client.post("/update_weights_from_tensor", {"serialized_named_tensors": ["not base64!"]})
     with pytest.raises(WeightSyncError, match="400"):
         client.post("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [], "typo": 1})
     assert not marker.exists() and client.weight_digests() == before
     pickle.loads(base64.b64decode(evil))  # control: a plain unpickler runs it
+    assert marker.exists()
+    marker.unlink()
+    pickle.loads(base64.b64decode(dotted))  # and the dotted one
     assert marker.exists()
 
 
@@ -405,6 +418,39 @@ def test_a_refused_join_answers_at_once_on_the_trainer_side(client):
     once instead of waiting out the 30-minute rendezvous it started."""
     with pytest.raises(WeightSyncError, match="already exists"):
         client.init_weights_update_group("127.0.0.1", _free_port(), backend="gloo")
+
+
+def _sglang_reductions(monkeypatch) -> None:
+    """SGLang's `monkey_patch_torch_reductions` (slime's `hf_weight_iterator_direct` calls it
+    before serializing), for this test's pickles: a CUDA tensor pickles as
+    `sglang.srt.utils.patch_torch._rebuild_cuda_tensor_modified` with its device's UUID in place
+    of the index (the receiver maps it back); CPU tensors are unchanged. The function is a stand-in
+    under SGLang's path: the pickle names it, the server never calls it."""
+    import types
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.multiprocessing import reductions
+
+    path = "sglang.srt.utils.patch_torch"
+    for name in ("sglang", "sglang.srt", "sglang.srt.utils", path):
+        if name not in sys.modules:
+            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+
+    def _rebuild_cuda_tensor_modified(*args):
+        raise AssertionError("a stand-in: only its name travels")
+
+    _rebuild_cuda_tensor_modified.__module__ = path
+    sys.modules[path]._rebuild_cuda_tensor_modified = _rebuild_cuda_tensor_modified
+
+    def reduce_tensor(tensor):
+        rebuild, args = reductions.reduce_tensor(tensor)
+        if rebuild is reductions.rebuild_cuda_tensor:
+            uuid = str(torch.cuda.get_device_properties(args[6]).uuid)
+            return _rebuild_cuda_tensor_modified, (*args[:6], uuid, *args[7:])
+        return rebuild, args
+
+    for cls in (torch.Tensor, torch.nn.Parameter):
+        monkeypatch.setitem(ForkingPickler._extra_reducers, cls, reduce_tensor)
 
 
 def _slime_bucket(pairs, monkeypatch, edit=None) -> tuple[str, torch.Tensor]:
@@ -440,6 +486,7 @@ def _slime_bucket(pairs, monkeypatch, edit=None) -> tuple[str, torch.Tensor]:
         at += flat[-1].numel()
     if edit:
         edit(metadata)
+    _sglang_reductions(monkeypatch)
     torch_mp.set_sharing_strategy("file_system")  # CPU tensors over HTTP (SGLang's are CUDA IPC)
     buf = io.BytesIO()
     flattened = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
@@ -495,3 +542,16 @@ def test_slimes_flattened_bucket_loads_every_tensor(tiny, client, monkeypatch):
     push(swapped)
     got = client.weight_digests()
     assert got[pairs[a][0]] == want[pairs[b][0]] != want[pairs[a][0]]
+
+
+def test_a_cuda_device_is_an_index_or_a_visible_devices_uuid():
+    """SGLang's patched reductions name a CUDA tensor's device by UUID; the receiver maps it to
+    this process's index (on a GPU: tests/test_weight_sync_gpu.py's bucket arm). An index passes
+    as is; a UUID no visible device has, or another type, is refused naming it."""
+    from samebits.weights import ipc
+
+    assert ipc.cuda_index(3) == 3
+    with pytest.raises(ValueError, match="no visible CUDA device has the UUID 'GPU-0000'"):
+        ipc.cuda_index("GPU-0000")
+    with pytest.raises(ValueError, match="an index or a UUID, got float"):
+        ipc.cuda_index(0.0)

@@ -35,6 +35,25 @@ import torch.multiprocessing as torch_mp
 import torch.multiprocessing.reductions  # noqa: F401 - registers the tensor reductions
 
 _REBUILDERS = "torch.multiprocessing.reductions"
+# the rebuild functions torch's tensor and storage reductions pickle, by exact name (never a
+# prefix: a pickle of protocol 4 may name a dotted attribute path, `rebuild_tensor.__globals__...`)
+_REBUILD = (
+    "rebuild_tensor",
+    "rebuild_cuda_tensor",
+    "rebuild_meta_tensor",
+    "rebuild_storage_filename",
+    "rebuild_storage_fd",
+    "rebuild_storage_empty",
+    "rebuild_typed_storage",
+    "rebuild_typed_storage_child",
+)
+# SGLang's `monkey_patch_torch_reductions` (slime calls it before serializing): a CUDA tensor
+# pickles as this function, with the device given as its UUID rather than an index
+_SGLANG_CUDA_REBUILD = {
+    ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"),
+    ("sglang.srt.patch_torch", "_rebuild_cuda_tensor_modified"),
+}
+_DEVICE_ARG = 6  # rebuild_cuda_tensor's device argument
 _ALLOWED = {
     ("torch", "Tensor"),
     ("torch", "Size"),
@@ -83,15 +102,40 @@ class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if self.buckets and (module, name) in _BUCKET_METADATA:
             return BucketEntry
-        allowed = (module, name) in _ALLOWED or (module == _REBUILDERS and name.startswith("rebuild_"))
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        if (module, name) in _SGLANG_CUDA_REBUILD:
+            return _rebuild_cuda_tensor_by_uuid
+        allowed = (module, name) in _ALLOWED or (module == _REBUILDERS and name in _REBUILD)
+        if module == "torch" and "." not in name and isinstance(getattr(torch, name, None), torch.dtype):
             allowed = True
-        if not allowed:
+        if not allowed or "." in name:
             raise pickle.UnpicklingError(
                 f"serialized_named_tensors names {module}.{name}; only tensors may be sent "
                 "(samebits.weights.ipc.serialize, or SGLang's MultiprocessingSerializer)"
             )
         return super().find_class(module, name)
+
+
+def cuda_index(device: int | str) -> int:
+    """A CUDA device index, or the index of the visible device with this UUID (SGLang's patched
+    reductions name the device by `str(torch.cuda.get_device_properties(i).uuid)`, which holds
+    across processes whose CUDA_VISIBLE_DEVICES differ). ValueError when no visible device has it."""
+    if type(device) is int:
+        return device
+    if isinstance(device, str):
+        for i in range(torch.cuda.device_count()):
+            if str(torch.cuda.get_device_properties(i).uuid) == device:
+                return i
+        raise ValueError(f"serialized_named_tensors: no visible CUDA device has the UUID {device[:64]!r}")
+    raise ValueError(
+        f"serialized_named_tensors: a CUDA device is an index or a UUID, got {type(device).__name__}"
+    )
+
+
+def _rebuild_cuda_tensor_by_uuid(*args):
+    """What SGLang's `_rebuild_cuda_tensor_modified` does: torch's `rebuild_cuda_tensor` with the
+    device UUID turned back into this process's index."""
+    args = (*args[:_DEVICE_ARG], cuda_index(args[_DEVICE_ARG]), *args[_DEVICE_ARG + 1 :])
+    return torch_mp.reductions.rebuild_cuda_tensor(*args)
 
 
 def _load(data: str | bytes, buckets: bool = False):
