@@ -153,8 +153,30 @@ def test_trls_recompute_equals_the_rollout_bit_for_bit_with_a_weight_sync(ckpt, 
     assert _logged(trainer, "sampling/importance_sampling_ratio/min") == [1.0, 1.0]
     assert _logged(trainer, "samebits/logprob_mismatch_count") == [0.0, 0.0]
     # the engine's weights are the trainer's by digest at each rollout, and the sync moved them
+    # (shared weights: the same memory, so the digests agree by construction; what can fail there
+    # is that the engine still runs on the trainer's tensors after TRL's steps)
     assert [same for same, _ in digests] == [True, True]
     assert digests[0][1] != digests[1][1]
+    if where == "shared":
+        engine = rollout.engine.llm.weight_store.params
+        assert all(engine[n].data_ptr() == p.data_ptr() for n, p in trainer.model.named_parameters())
+
+
+def test_a_shared_tensor_the_trainer_replaced_is_refused_at_the_push(ckpt):
+    """An engine on the trainer's tensors whose trainer then replaced one (a cast, a move, a new
+    tensor): the push raises naming it, rather than sampling from weights the trainer no longer
+    trains. Control: the same push with every tensor in place passes."""
+    from samebits.integrations.backends import LocalEngine
+
+    model = sb.load_hf_model(ckpt)
+    llm = samebits.LLM(ckpt, weights=model.named_parameters(remove_duplicate=False), max_num_seqs=2,
+                       max_model_len=32)  # fmt: skip
+    engine = LocalEngine(llm)
+    engine.push(model.named_parameters())
+    name, p = next(iter(model.named_parameters()))
+    p.data = p.data.clone()
+    with pytest.raises(RuntimeError, match=f"{name} is no longer the tensor it was built on"):
+        engine.push(model.named_parameters())
 
 
 @pytest.mark.parametrize("where", ["server", "llm"])

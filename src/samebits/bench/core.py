@@ -183,9 +183,17 @@ def engine_step_ms(llm, batch: int, context: int, steps: int = 20) -> float:
     return step
 
 
+def _placeholders(model) -> tuple[int, ...]:
+    """A transformers model's multimodal placeholder ids (the Omni thinker's image, video and
+    audio tokens: its config's `*_token_id`), which a text prompt cannot hold; () for Qwen3-MoE."""
+    cfg = model.config
+    names = ("image_token_id", "video_token_id", "audio_token_id")
+    return tuple(getattr(cfg, n) for n in names if isinstance(getattr(cfg, n, None), int))
+
+
 def hf_generate_step_ms(model, batch: int, context: int, new: int = 16) -> float:
     """transformers `generate` decode step time, its prefill removed."""
-    ids = torch.randint(0, model.config.vocab_size, (batch, context), device=model.device)
+    ids = random_ids(model.config.vocab_size, (batch, context), None, _placeholders(model)).to(model.device)
 
     def timed(n):
         torch.cuda.synchronize()
@@ -205,7 +213,8 @@ def trainer_step_ms(model, tokens_per_seq: int = 1024, seqs: int = 4, exact: boo
 
     g = torch.Generator().manual_seed(0)
     data = [
-        torch.randint(0, model.config.vocab_size, (tokens_per_seq,), generator=g).tolist() for _ in range(seqs)
+        random_ids(model.config.vocab_size, (tokens_per_seq,), g, _placeholders(model)).tolist()
+        for _ in range(seqs)
     ]
 
     def once():

@@ -89,7 +89,7 @@ def random_prompts(
 
 
 def random_ids(
-    vocab_size: int, shape, generator: torch.Generator, banned: tuple[int, ...] = ()
+    vocab_size: int, shape, generator: torch.Generator | None, banned: tuple[int, ...] = ()
 ) -> torch.Tensor:
     """Token ids of `shape` drawn uniformly from the vocabulary less `banned`: a family's
     placeholder ids (`family.never_sample`: the Omni thinker's image, video and audio tokens),

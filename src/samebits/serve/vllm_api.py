@@ -32,7 +32,7 @@ from pydantic import Field
 
 from samebits.requests.sampling_params import MAX_LOGPROBS
 from samebits.serve.errors import error_response
-from samebits.serve.sglang_api import server_args
+from samebits.serve.sglang_api import _weight_version, server_args
 from samebits.serve.weights_api import _Body, _run, call
 from samebits.weights.vllm_transfer import DEFAULT_BUFFER_BYTES
 
@@ -139,7 +139,7 @@ def register(app: FastAPI, engine, model_name: str, settings: dict | None = None
         config = vllm_config(engine, model_name, settings)
         # SGLang 0.5's /server_info is its ServerArgs (slime reads it before /get_server_info):
         # those fields beside vLLM's two keys, each client reading its own
-        sglang = server_args(engine, model_name, settings)
+        sglang = server_args(engine, model_name, settings) | await _weight_version(engine)
         return sglang | {"vllm_config": config if config_format == "json" else str(config), "vllm_env": {}}
 
     if hasattr(engine, "call"):

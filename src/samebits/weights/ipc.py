@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import math
 import pickle
 from dataclasses import dataclass, fields
 from multiprocessing.reduction import ForkingPickler
@@ -185,18 +186,21 @@ def deserialize_bucket(data: str | bytes) -> list[tuple[str, torch.Tensor]]:
         missing = [f.name for f in fields(BucketEntry) if f.name not in vars(m)]
         if missing:
             raise ValueError(f"serialized_named_tensors: bucket metadata lacks {missing}")
+        if not isinstance(m.name, str):
+            raise ValueError(
+                f"serialized_named_tensors: a bucket entry's name is a {type(m.name).__name__}, not a str"
+            )
         ints = (m.start_idx, m.end_idx, m.numel, *m.shape) if isinstance(m.shape, tuple | list) else None
         if (
-            not isinstance(m.name, str)
-            or not isinstance(m.dtype, torch.dtype)
+            not isinstance(m.dtype, torch.dtype)
             or ints is None
-            or not all(type(i) is int and i >= 0 for i in ints)
+            or not all(type(i) is int and 0 <= i < 2**63 for i in ints)
         ):
             raise ValueError(
-                f"serialized_named_tensors: bucket entry {m.name!r}: needs a str name, a torch dtype (got "
-                f"{m.dtype!r}), and a shape and byte range of ints >= 0"
+                f"serialized_named_tensors: bucket entry {m.name[:200]!r}: needs a torch dtype (got a "
+                f"{type(m.dtype).__name__}), and a shape and byte range of ints in [0, 2**63)"
             )
-        size = torch.Size(m.shape).numel() * m.dtype.itemsize
+        size = math.prod(m.shape) * m.dtype.itemsize  # Python ints: no wrap-around
         if not (m.end_idx - m.start_idx == m.numel == size and m.end_idx <= flat.numel()):
             raise ValueError(
                 f"serialized_named_tensors: bucket entry {m.name!r} (shape {list(m.shape)}, {m.dtype}) "
