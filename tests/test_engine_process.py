@@ -126,7 +126,12 @@ def test_a_request_held_behind_a_weight_change_can_be_aborted(tiny):
     assert [c[1] for c in loop.held] == ["held", "kept"] and not llm.core.has_unfinished()
     loop._handle(("abort", "held", False))
     kind, updates, _ = pipe.sent[-1]
-    assert kind == "step" and updates == [("held", [([], [], None, "", "abort")] * 2, 0, None)]
+    assert kind == "step" and updates == [("held", [([], [], None, "", "abort", None)] * 2, 0, None, [])]
+    # the parent's side reads the update (a 5-field sample part failed to unpack there)
+    from samebits.engine.engine_process import _Request
+
+    out = _Request("held", [3, 4, 5], sp, None, None).apply(*updates[0][1:3], None, updates[0][4])
+    assert out.finished and [o.finish_reason for o in out.outputs] == ["abort", "abort"]
     loop._run_calls_if_idle()  # the change runs, then what was held
     assert llm.core.request_ids() == ["kept"] and pipe.sent[-1][:3] == ("result", 0, True)
 
@@ -147,7 +152,7 @@ def test_requests_an_update_aborts_carry_the_version_they_ran_on(tiny):
     loop._run_calls_if_idle()
     (kind, updates, stats), result = pipe.sent[-2:]
     assert kind == "step" and stats["weight_version"] == "default"
-    [(rid, [(ids, _, _, _, finish, _)], _, _)] = updates
+    [(rid, [(ids, _, _, _, finish, _)], _, _, _)] = updates
     assert rid == "r" and finish == "abort" and ids == []  # its 2 tokens went out in the first update
     assert result[:3] == ("result", 0, True) and "1 requests in flight were aborted" in result[3]
     assert loop.weight_version == "v1" and not loop.sent

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from framework_lines import theirs
 from hf_rows import hf_rows
 
 from samebits import LLM, SamplingParams, batch_invariant, trainer
@@ -25,57 +25,6 @@ from samebits.numerics import logprob_formulas as lf
 TEMPS = (0.7, 1.0, 1.3)
 K = 4
 MAX_TOKENS = 5
-
-
-# --- the frameworks' own code, called for one id per row -----------------------------------------
-
-
-def _verl_v2(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """verl 0.9.1 `verl/utils/torch_functional.py` `logprobs_from_logits_v2`, its op order:
-    float logits: gather minus a per-row logsumexp; other dtypes: a per-row log_softmax in that
-    dtype, gathered (written here: verl does not share this environment)."""
-    if logits.dtype in (torch.float32, torch.float64):
-        at = torch.gather(logits, dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)
-        return at - torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
-    rows = []
-    for row, label in zip(logits, labels, strict=True):
-        rows.append(F.log_softmax(row, dim=-1).gather(dim=-1, index=label.unsqueeze(-1)).squeeze(-1))
-    return torch.stack(rows)
-
-
-def _verl(logits: torch.Tensor, ids: torch.Tensor, t: float) -> torch.Tensor:
-    """verl's FSDP engine: logits divided by T rounded to their dtype (skipped at T = 1), then v2."""
-    if t != 1.0:
-        logits = logits / torch.tensor([t], device=logits.device).clamp(min=1e-8).to(logits.dtype)
-    return _verl_v2(logits, ids).float()
-
-
-def _theirs(formula: str, hidden, weight, logits, ids: torch.Tensor, t: float) -> torch.Tensor:
-    """The framework's own value of each row's id: ids [n] -> float32 [n]."""
-    if formula == "log_softmax":
-        return torch.log_softmax(logits.float() / t, dim=-1).gather(-1, ids[:, None])[:, 0]
-    if formula == "cross_entropy":
-        return -F.cross_entropy(logits.float() / t, ids, reduction="none")
-    if formula == "logsumexp":
-        z = logits.float() / t
-        return z.gather(-1, ids[:, None])[:, 0] - torch.logsumexp(z, -1)
-    if formula == "verl":
-        return _verl(logits, ids, t)
-    pytest.importorskip("trl")
-    # TRL's Triton kernels read the ids at stride 1, and TRL passes them contiguous (`labels[mask]`,
-    # gathered completion ids): a column of an [n, k] table goes in as TRL's own would
-    ids = ids.contiguous()
-    if formula == "trl_selective":
-        try:
-            from trl.trainer.utils import selective_log_softmax
-        except ImportError:  # TRL's helper needs pandas and datasets; its CUDA branch is this kernel
-            from trl.kernels import selective_log_softmax_and_entropy
-
-            return selective_log_softmax_and_entropy(logits, ids, temperature=t)[0].float()
-        return selective_log_softmax(logits, ids, temperature=t).float()
-    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
-
-    return ChunkedLogProbFunction.apply(hidden, weight, None, ids, t, lf.TRL_VOCAB_TILE, None, 1.0, ())[0]
 
 
 # --- the lines at several ids per row ------------------------------------------------------------
@@ -103,8 +52,8 @@ def test_each_id_of_a_row_is_the_frameworks_value_for_that_id(two_tiles, formula
     with batch_invariant(), torch.no_grad():
         ours = lf.token_logprobs(logits, ids, [t] * len(ids), [formula] * len(ids))
         for j in range(ids.shape[1]):
-            theirs = _theirs(formula, hidden, weight, logits, ids[:, j], t)
-            assert torch.equal(ours[:, j], theirs), (formula, t, j)
+            want = theirs(formula, hidden, weight, logits, ids[:, j], t)
+            assert torch.equal(ours[:, j], want), (formula, t, j)
 
 
 def test_control_rows_read_by_a_neighbours_line_mismatch(two_tiles):
@@ -167,9 +116,7 @@ def test_engine_top_logprobs_are_the_frameworks_values_at_those_ids(tops_run):
         assert ids.shape == (MAX_TOKENS, K)
         with batch_invariant(), torch.no_grad():
             for j in range(K):
-                assert torch.equal(
-                    values[:, j], _theirs(formula, hidden, weight, logits, ids[:, j], t).cpu()
-                ), (
+                assert torch.equal(values[:, j], theirs(formula, hidden, weight, logits, ids[:, j], t).cpu()), (
                     formula,
                     t,
                     j,

@@ -105,7 +105,7 @@ class BlockManager:
         """The blocks of the longest cached chain of seq's full blocks, at most its first
         num_tokens - 1 tokens (the last token is always computed: it gives the logits).
         seq holds no blocks (a waiting sequence). [] when seq does not share."""
-        if not self.shares(seq):
+        if not self.shares(seq) or _scoring(seq):
             return []
         n = (seq.num_tokens - 1) // self.block_size
         hits = []
@@ -197,3 +197,9 @@ class BlockManager:
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _scoring(seq: Sequence) -> bool:
+    """Whether seq has prompt positions left to score (`prompt_logprobs`): every one of them
+    must be computed, so it reads nothing from the cache (vLLM's skip_reading_prefix_cache)."""
+    return seq.prompt_scores is not None and seq.num_prompt_scored < seq.num_prompt_tokens - 1

@@ -21,6 +21,7 @@ import torch
 
 from samebits.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
 from samebits.engine.outputs import CompletionOutput, EngineStats, RequestOutput, StepOutput
+from samebits.engine.prompt_logprobs import as_logprobs, token_text
 from samebits.engine.sequence import Sequence as Seq
 from samebits.engine.validation import check_text
 from samebits.requests.sampling_params import SamplingParams, sample_seed
@@ -36,6 +37,8 @@ class _Request:
         self.detoks: list[IncrementalDetokenizer | None] = []
         self.tops: list[list] = []
         self.kept: list[list[int]] = []
+        self.prompt_sent = 0  # prompt positions `progress` has handed on (`prompt_logprobs`)
+        self.prompt_logprobs = None  # RequestOutput.prompt_logprobs, built once the prompt is scored
 
 
 def _processed(params: SamplingParams) -> bool:
@@ -137,6 +140,8 @@ class EngineCore:
                 seq.seed = sample_seed(req.seqs[0].seed, j)
             seq.family_state = state
             seq.request_id = request_id
+            if j == 0 and params.prompt_logprobs is not None:
+                seq.prompt_scores = []  # the first sample scores the prompt (engine/prompt_logprobs.py)
             req.seqs.append(seq)
             req.detoks.append(self._detokenizer(ids, params))
             req.tops.append([])
@@ -286,12 +291,15 @@ class EngineCore:
     def is_finished(self, request_id: str) -> bool:
         return all(s.is_finished for s in self._requests[request_id].seqs)
 
-    def progress(self, request_id: str, sent: list[int]) -> tuple[list[tuple], int]:
+    def progress(self, request_id: str, sent: list[int]) -> tuple[list[tuple], int, list]:
         """What each sample gained since its first `sent[j]` tokens, as plain Python values
         (for another process): -> ([(new ids, new log-probs, new top-k lists or None, text,
-        finish reason, new num_kept or None)], sample 0's preemptions). Advances `sent` to the
+        finish reason, new num_kept or None)], sample 0's preemptions, the prompt positions
+        scored since the last call (`PromptScore`s; [] when not asked)). Advances `sent` to the
         current counts."""
         req = self._requests[request_id]
+        scores = req.seqs[0].prompt_scores or []
+        new_scores, req.prompt_sent = scores[req.prompt_sent :], len(scores)
         parts = []
         for j, seq in enumerate(req.seqs):
             k, out = sent[j], seq.output_token_ids
@@ -300,7 +308,7 @@ class EngineCore:
             text = req.detoks[j].text if req.detoks[j] is not None else ""
             parts.append((list(out[k:]), list(seq.logprobs[k:]), tops, text, seq.finish_reason, kept))
             sent[j] = len(out)
-        return parts, req.seqs[0].num_preemptions
+        return parts, req.seqs[0].num_preemptions, new_scores
 
     def output(self, request_id: str) -> RequestOutput:
         """A snapshot of the request so far (cumulative tokens, log-probs and text)."""
@@ -330,7 +338,17 @@ class EngineCore:
             num_kept=first.num_kept,
             request_id=request_id,
             outputs=outs,
+            prompt_logprobs=self._prompt_logprobs(req),
         )
+
+    def _prompt_logprobs(self, req: _Request):
+        """The request's `prompt_logprobs` once its prompt is scored, else None."""
+        seq = req.seqs[0]
+        if req.prompt_logprobs is None and seq.prompt_scores is not None:
+            if len(seq.prompt_scores) >= seq.num_prompt_tokens - 1:  # built once, when complete
+                text_of = token_text(self.tokenizer if req.params.detokenize else None)
+                req.prompt_logprobs = as_logprobs(seq.prompt_scores, text_of)
+        return req.prompt_logprobs
 
     def pop(self, request_id: str) -> RequestOutput:
         """The request's final output; the core forgets it (its samples must be finished)."""

@@ -2,9 +2,10 @@
 
 Messages to the parent: ("ready", facts) or ("failed", (exception type, message)) once;
 then ("step", updates, stats) after every step or abort that touched requests, where an
-update is (request id, per-sample parts, sample 0's preemptions, None) or (request id,
-None, 0, message) when a step failed; ("rejected", request id, message) for an add the
-core refused; ("result", call id, ok, value or (error type, message)) for a call;
+update is (request id, per-sample parts, sample 0's preemptions, None, the prompt positions
+scored since the last update) or (request id, None, 0, message, []) when a step failed;
+("rejected", request id, message) for an add the core refused; ("result", call id, ok,
+value or (error type, message)) for a call;
 ("closed",) or ("died", message) last.
 
 Calls (`EngineProcess.call`) are the weight and memory operations of `weights.receiver`
@@ -167,8 +168,8 @@ class _Loop:
         self.held = [c for c in self.held if c[1] not in gone]
         updates = []
         for _, request_id, _, params in adds:
-            part = ([], [], [] if params.logprobs else None, "", "abort")
-            updates.append((request_id, [part] * params.n, 0, None))
+            part = ([], [], [] if params.logprobs else None, "", "abort", None)
+            updates.append((request_id, [part] * params.n, 0, None, []))
         self._send(("step", updates, self._stats()))
 
     def _call(self, call_id: int, method: str, kwargs: dict) -> list[str]:
@@ -244,7 +245,7 @@ class _Loop:
         try:
             done = self.core.step()
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the engine
-            failed = [(r, None, 0, f"a step failed: {e!r}") for r in self.sent]
+            failed = [(r, None, 0, f"a step failed: {e!r}", []) for r in self.sent]
             self.core.abort_all()
             self.sent.clear()
             self._send(("step", failed, self._stats()))
@@ -254,8 +255,8 @@ class _Loop:
     def _publish(self, touched: list[str]) -> None:
         updates = []
         for request_id in dict.fromkeys(touched):
-            parts, preemptions = self.core.progress(request_id, self.sent[request_id])
-            updates.append((request_id, parts, preemptions, None))
+            parts, preemptions, scores = self.core.progress(request_id, self.sent[request_id])
+            updates.append((request_id, parts, preemptions, None, scores))
             if self.core.is_finished(request_id):
                 self.core.pop(request_id)
                 del self.sent[request_id]

@@ -34,6 +34,7 @@ import torch
 from samebits.engine.async_engine import EngineDeadError, outputs
 from samebits.engine.detokenizer import load_tokenizer
 from samebits.engine.outputs import CompletionOutput, RequestOutput
+from samebits.engine.prompt_logprobs import as_logprobs, token_text
 from samebits.engine.validation import check_request, check_text, no_tokenizer
 from samebits.requests.sampling_params import SamplingParams
 
@@ -52,7 +53,9 @@ START_TIMEOUT = 1800  # seconds for the child to load the model (a 60 GB checkpo
 class _Request:
     """The parent's view of one request: cumulative samples, its caller's queue."""
 
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, loop, queue):
+    def __init__(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, loop, queue, tokenizer=None
+    ):
         self.request_id, self.prompt_ids, self.loop, self.queue = request_id, prompt_ids, loop, queue
         n, k = params.n, params.logprobs
         self.ids: list[list[int]] = [[] for _ in range(n)]
@@ -62,8 +65,16 @@ class _Request:
         self.text, self.finish = [""] * n, [None] * n
         self.preemptions = 0
         self.weight_version: str | None = None
+        # `prompt_logprobs`: the scored positions so far, and how a token id reads
+        self.scores: list | None = [] if params.prompt_logprobs is not None else None
+        self.prompt_logprobs = None
+        self.text_of = token_text(tokenizer if params.detokenize else None)
 
-    def apply(self, parts: list[tuple], preemptions: int, weight_version: str | None) -> RequestOutput:
+    def apply(
+        self, parts: list[tuple], preemptions: int, weight_version: str | None, scores=()
+    ) -> RequestOutput:
+        if scores:
+            self.scores += scores
         for j, (ids, lps, tops, text, finish, kept) in enumerate(parts):
             self.ids[j] += ids
             self.lps[j] += lps
@@ -104,7 +115,14 @@ class _Request:
             outputs=outs,
             weight_version=self.weight_version,
             num_kept=first.num_kept,
+            prompt_logprobs=self._prompt_logprobs(),
         )
+
+    def _prompt_logprobs(self):
+        """As vLLM gives them, once the whole prompt is scored (built once)."""
+        if self.scores is not None and len(self.scores) >= len(self.prompt_ids) - 1:
+            self.scores, self.prompt_logprobs = None, as_logprobs(self.scores, self.text_of)
+        return self.prompt_logprobs
 
 
 class EngineProcess:
@@ -171,7 +189,7 @@ class EngineProcess:
         iterator early (a client that went away) aborts the request."""
         ids = self.validate(0, prompt, params)
         request_id = f"req-{uuid.uuid4().hex}" if request_id is None else str(request_id)
-        req = _Request(request_id, ids, params, asyncio.get_running_loop(), asyncio.Queue())
+        req = _Request(request_id, ids, params, asyncio.get_running_loop(), asyncio.Queue(), self.tokenizer)
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
@@ -289,14 +307,14 @@ class EngineProcess:
         self._stats = stats
         items = []
         with self._lock:
-            for request_id, parts, preemptions, failed in updates:
+            for request_id, parts, preemptions, failed, scores in updates:
                 req = self._requests.get(request_id)
                 if req is None:
                     continue
                 if failed is not None:  # a step failed: its requests fail, the engine goes on
                     item = EngineDeadError(failed)
                 else:
-                    item = req.apply(parts, preemptions, stats.get("weight_version"))
+                    item = req.apply(parts, preemptions, stats.get("weight_version"), scores)
                 if failed is not None or item.finished:
                     del self._requests[request_id]
                 items.append((req, item))

@@ -11,6 +11,20 @@ from dataclasses import dataclass, field
 import torch
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One scored token of a prompt position (vLLM's `Logprob`): its float32 value by the
+    request's line, its rank in the position's row (1 = most likely; 1 + the number of tokens
+    valued strictly higher), and its text when the checkpoint has a tokenizer."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, Logprob] | None]  # per prompt token; the first is None
+
+
 @dataclass
 class CompletionOutput:
     """One sample of a request. `logprobs` is float32, one per generated token;
@@ -45,6 +59,10 @@ class RequestOutput:
     # a request never spans a weight update there)
     weight_version: str | None = None
     num_kept: list[int] | None = None  # sample 0's (CompletionOutput.num_kept)
+    # `SamplingParams.prompt_logprobs=k`: per prompt token, the token itself and the k most
+    # likely at its position (engine/prompt_logprobs.py); None for the first token, and when
+    # not asked. Filled once the prompt is computed.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:

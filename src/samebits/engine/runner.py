@@ -4,7 +4,9 @@ A step turns a `ScheduledBatch` into flat tokens [T], an
 `AttentionBatch`, the model family's positions and step inputs
 (`model/family.py`), one forward under the model's numerics profile
 (`batch_invariant()` when exact), logits for the rows that sample, and sampled
-(token, log-prob) pairs. The runner does not know which family it runs.
+(token, log-prob) pairs; the prompt rows of a request that asks `prompt_logprobs`
+are scored there too (engine/prompt_logprobs.py; never in a CUDA graph: a graph's
+rows all sample). The runner does not know which family it runs.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from samebits.engine.cuda_graphs import DecodeGraphs
+from samebits.engine.prompt_logprobs import score_batch
 from samebits.engine.sampler import Pending, SampleRequest, has_fused_line, sample_pending
 from samebits.engine.scheduler import ScheduledBatch
 from samebits.model.attention import AttentionBatch
@@ -110,6 +113,7 @@ class ModelRunner:
             if size is not None and not has_fused_line(reqs):  # a FusedLine row reads the hidden rows
                 return self.graphs.run(batch, size, reqs, self.family.positions(spans), ahead)
             hidden, sample_rows = self.forward(batch, spans, step, ahead)
+            score_batch(self.model, hidden, batch)  # `prompt_logprobs` rows, if any ask
             if not sample_rows:
                 return Pending.done([], self.device)
             rows = to_device(torch.tensor(sample_rows), hidden.device)

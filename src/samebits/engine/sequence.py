@@ -45,6 +45,8 @@ class Sequence:
         "num_preemptions",
         "family_state",
         "request_id",
+        "prompt_scores",
+        "num_prompt_scored",
         "__weakref__",  # the CUDA graphs' kept table rows drop a sequence's row when it dies
     )
 
@@ -76,6 +78,11 @@ class Sequence:
         self.num_preemptions = 0
         self.family_state = None  # what the model family's `prepare` made of the prompt (None: text)
         self.request_id: str | None = None  # the engine core's request this is a sample of
+        # `prompt_logprobs`: the scored prompt positions (engine/prompt_logprobs.py), on the
+        # request's first sample only (None on the others and when not asked), and how many
+        # positions the steps launched so far score
+        self.prompt_scores: list | None = None
+        self.num_prompt_scored = 0
 
     @property
     def num_tokens(self) -> int:

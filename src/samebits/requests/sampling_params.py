@@ -27,7 +27,10 @@ class SamplingParams:
     text, finish_reason "stop"; the token ids keep every sampled token). `logprobs=k` also
     reports the k most likely tokens (ranked by the default log-softmax row), each valued by
     the row's `logprob_formula` and `logprobs_mode` as the sampled token is. `detokenize`
-    produces `text` (needs a tokenizer).
+    produces `text` (needs a tokenizer). `prompt_logprobs=k` scores the prompt itself (vLLM's
+    field): each prompt token after the first gets the value the row's line gives it at the
+    position before, its rank, and that position's k most likely tokens
+    (`RequestOutput.prompt_logprobs`; engine/prompt_logprobs.py).
 
     `logprob_formula`: which trainer's line the sampled token's log-prob is reported by (a
     name in `LOGPROB_FORMULAS`, computed in `numerics.logprob_formulas`, docs/logprobs.md; a
@@ -52,6 +55,7 @@ class SamplingParams:
     n: int = 1
     stop: tuple[str, ...] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     detokenize: bool = True
     logprob_formula: str | Callable | FusedLine | None = None
     logprobs_mode: str | None = None
@@ -107,6 +111,12 @@ class SamplingParams:
             return f"stop must be a str or a list of non-empty str, got {self.stop!r}"
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             return f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            return (
+                f"prompt_logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"
+            )
         if not isinstance(self.detokenize, bool):
             return f"detokenize must be a bool, got {self.detokenize!r}"
         if self.logprob_formula is not None and (problem := logprob_formula_problem(self.logprob_formula)):
