@@ -143,6 +143,40 @@ def test_n_samples_and_top_logprobs_over_http(server):
         assert ch.logprobs.tokens == [f"token_id:{t}" for t in ch.token_ids]
 
 
+def test_prompt_logprobs_over_http_in_vllms_shape(server):
+    """vLLM's JSON: each completions choice (a stream's first piece of each) carries
+    `prompt_logprobs`, null then {"<id>": {logprob, rank, decoded_token}} per position, the
+    same values as the engine's; chat puts it on the response; out of range is a 400."""
+    body = {"model": server.model, "prompt": [4, 5, 6, 7], "max_tokens": 3, "n": 2, "seed": 5}
+    body |= {"prompt_logprobs": 2, "return_tokens_as_token_ids": True}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    got = [ch["prompt_logprobs"] for ch in r["choices"]]
+    assert got[0] == got[1] and got[0][0] is None and len(got[0]) == 4
+    for p, entry in enumerate(got[0][1:], start=1):
+        token = entry[str(body["prompt"][p])]  # the prompt token first, then the top 2
+        assert (
+            list(entry)[0] == str(body["prompt"][p])
+            and token["decoded_token"] == f"token_id:{body['prompt'][p]}"
+        )
+        ranked = sorted(entry.values(), key=lambda e: e["rank"])
+        assert [e["rank"] for e in ranked][:2] == [1, 2] and ranked[0]["logprob"] >= ranked[1]["logprob"]
+        assert (
+            token["rank"] == 1 + sum(e["logprob"] > token["logprob"] for e in entry.values())
+            or token["rank"] > 2
+        )
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body | {"stream": True}, timeout=60) as s:
+        pieces = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    firsts = [p["choices"][0] for p in pieces if "prompt_logprobs" in p["choices"][0]]
+    assert sorted(ch["index"] for ch in firsts) == [0, 1] and all(
+        ch["prompt_logprobs"] == got[0] for ch in firsts
+    )
+    chat = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=chat | {"prompt_logprobs": 0}, timeout=60).json()
+    assert r["prompt_logprobs"][0] is None and all(len(e) == 1 for e in r["prompt_logprobs"][1:])
+    bad = httpx.post(f"{server.url}/v1/completions", json=body | {"prompt_logprobs": 21}, timeout=60)
+    assert bad.status_code == 400 and "prompt_logprobs" in bad.json()["error"]["message"]
+
+
 def test_stop_strings_over_http(server):
     c = _client(server)
     kw = dict(model=server.model, prompt="stop test", max_tokens=30, seed=3, extra_body={"ignore_eos": True})

@@ -11,6 +11,8 @@ Claims: the log-probs VLLMClient.generate and .chat return (JSON numbers read ba
 equal the HF trainer's recompute under `batch_invariant()` bit for bit, for token-id prompts
 with n=2, temperature, top_p=1, top_k=0 (off), min_p=0, repetition_penalty=1, logprobs=0;
 `logprob_formula` in generation_kwargs reports TRL's own line, on the same tokens;
+`get_sequence_logprobs` (TRL's teacher scoring, `prompt_logprobs`) reads the trainer's recompute
+of the sequence at the temperature sent, and the default row's top 3, bit for bit;
 get_world_size, get_server_info and reset_prefix_cache answer as vLLM's dev endpoints do;
 what is not supported is refused with a message naming the field. Controls: the recompute at
 another temperature, or with the stock grouped_mm experts, differs; the default line differs
@@ -137,6 +139,26 @@ def test_logprob_formula_trl_reports_trls_line_on_the_same_tokens(client, hf):
     assert _equal(_sampled(out), trl_line)
     assert _equal(_sampled(default), default_line)
     assert not _equal(_sampled(out), default_line)  # control: the field reached the engine
+
+
+def test_get_sequence_logprobs_scores_the_sequence_as_the_trainer_recomputes_it(client, hf):
+    """TRL's teacher scoring (`VLLMClient.get_sequence_logprobs`, what ServerDistillationTrainer
+    calls): `prompt_logprobs` over prompt + completion, at the temperature sent."""
+    seqs = [p + [20 + i, 21, 22 + i, 23] for i, p in enumerate(PROMPTS)]
+    lens = [len(p) for p in PROMPTS]
+    out = client.get_sequence_logprobs(sequences=seqs, prompt_lengths=lens, top_logprobs=3, temperature=T)
+    actual = [torch.tensor([v[0] for v in seq], dtype=torch.float32) for seq in out["actual_logprobs"]]
+    completions = [s[n:] for s, n in zip(seqs, lens, strict=True)]
+    assert out["actual_token_ids"] == [[[t] for t in c] for c in completions]
+    assert _equal(actual, _recompute(hf, PROMPTS, completions, T))
+    assert not _equal(actual, _recompute(hf, PROMPTS, completions, 1.0))  # control: T reached the values
+    for seq, n, ids, values in zip(seqs, lens, out["logprob_token_ids"], out["logprobs"], strict=True):
+        with batch_invariant(), torch.no_grad():
+            logits = hf(input_ids=torch.tensor(seq)[None], use_cache=False).logits[0][n - 1 : -1]
+            row = torch.log_softmax(logits.float() / T, dim=-1)  # the default line, its ranking
+        top = torch.sort(row, dim=-1, descending=True, stable=True)
+        assert ids == top.indices[:, :3].tolist()  # TRL sorts by the reported rank
+        assert torch.equal(torch.tensor(values, dtype=torch.float32), top.values[:, :3])
 
 
 def test_dev_endpoints_answer_as_vllms(client, server):

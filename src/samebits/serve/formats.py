@@ -51,6 +51,20 @@ def _with_ids(choice: dict, request: RequestOutput, out: CompletionOutput, part:
     return choice
 
 
+def prompt_logprobs(request: RequestOutput, tok: TokenText) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then per position
+    {"<token id>": {"logprob", "rank", "decoded_token"}}, the prompt token first."""
+    return [
+        None
+        if entry is None
+        else {
+            str(t): {"logprob": finite(e.logprob), "rank": e.rank, "decoded_token": tok(t)}
+            for t, e in entry.items()
+        }
+        for entry in request.prompt_logprobs
+    ]
+
+
 @dataclass
 class SampleCursor:
     """How much of one sample a stream has already sent."""
@@ -102,6 +116,8 @@ def completion_choice(
         "logprobs": None if ctx.logprobs is None else completion_logprobs(out, part, ctx.tok, ctx.logprobs),
         "finish_reason": out.finish_reason if finished else None,
     }
+    if request.prompt_logprobs is not None and part.start == 0:  # (a stream's first piece)
+        choice["prompt_logprobs"] = prompt_logprobs(request, ctx.tok)
     return _with_ids(choice, request, out, part, ctx)
 
 

@@ -105,6 +105,8 @@ async def chat(svc, body: ChatCompletionRequest, request: Request):
         body = head | {"object": "chat.completion", "choices": choices, "usage": formats.usage(outs)}
         if ctx.return_token_ids:  # vLLM's place for them in chat (each choice has them too)
             body["prompt_token_ids"] = o.prompt_token_ids
+        if o.prompt_logprobs is not None:  # vLLM's place in chat: the response, not a choice
+            body["prompt_logprobs"] = formats.prompt_logprobs(o, ctx.tok)
         return body
 
     def chunks(stream):

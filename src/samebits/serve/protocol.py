@@ -80,8 +80,6 @@ class _Body(BaseModel):
         if self.repetition_penalty not in (None, 1.0):
             why = f"only 1.0 (off) is supported, got {self.repetition_penalty}; send 1.0 or leave it unset"
             raise UnsupportedField("repetition_penalty", why)
-        if self.prompt_logprobs is not None:
-            raise UnsupportedField("prompt_logprobs", "is not supported (score a sequence with the trainer)")
         if self.structured_outputs:
             raise UnsupportedField("structured_outputs", "is not supported (guided decoding)")
         if self.logprob_formula is not None and self.logprob_formula not in LOGPROB_FORMULAS:
@@ -109,6 +107,7 @@ class _Body(BaseModel):
             n=self.n,
             stop=self.stop or None,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             logprob_formula=self.logprob_formula,
             logprobs_mode=self.logprobs_mode,
         )
