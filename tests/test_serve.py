@@ -160,10 +160,7 @@ def test_prompt_logprobs_over_http_in_vllms_shape(server):
         )
         ranked = sorted(entry.values(), key=lambda e: e["rank"])
         assert [e["rank"] for e in ranked][:2] == [1, 2] and ranked[0]["logprob"] >= ranked[1]["logprob"]
-        assert (
-            token["rank"] == 1 + sum(e["logprob"] > token["logprob"] for e in entry.values())
-            or token["rank"] > 2
-        )
+        assert (token["rank"] <= 2) == (len(entry) == 2)  # one of the top 2, or listed beside them
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body | {"stream": True}, timeout=60) as s:
         pieces = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     firsts = [p["choices"][0] for p in pieces if "prompt_logprobs" in p["choices"][0]]
