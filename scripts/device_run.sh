@@ -67,9 +67,10 @@ run() {  # run NAME CMD...: the command's output to the terminal and $OUT/NAME.l
 case "${1:-}" in
 tests-new)
     # changed since the GPU run of 2026-12-07 (fa9085f): trl on CUDA (the -inf stand-in once a
-    # call), slime's flattened bucket over CUDA IPC
+    # call), slime's flattened bucket over CUDA IPC, prompt_logprobs scored on CUDA
     run tests-new python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_logprobs_mode.py \
-        tests/test_logprob_formula_fused.py tests/test_logprob_formula_tops.py tests/test_weight_sync_gpu.py
+        tests/test_logprob_formula_fused.py tests/test_logprob_formula_tops.py tests/test_weight_sync_gpu.py \
+        tests/test_prompt_logprobs.py
     ;;
 tests-all)
     run tests-all python3 -m pytest -q -m gpu -p no:cacheprovider tests
