@@ -2,8 +2,11 @@
 sends it (docs/serve.md, "SGLang speakers"): /get_model_info, /get_server_info and
 /health_generate in SGLang's shapes with the server's own values; /generate with slime's and
 AReaL's payloads, whose log-probs equal the trainer's recompute bit for bit (control: the
-recompute at another temperature differs); the SGLang fields samebits does not implement
-refused naming the field. The server is a subprocess on 127.0.0.1, stopped by its PID."""
+recompute at another temperature differs); their teachers' scoring requests
+(`logprob_start_len`, slime's `max_new_tokens: 0`), whose `input_token_logprobs` equal the
+trainer's recompute of the sequence, and `input_top_logprobs` the default row's top k; the
+SGLang fields samebits does not implement refused naming the field. The server is a
+subprocess on 127.0.0.1, stopped by its PID."""
 
 from __future__ import annotations
 
@@ -106,6 +109,65 @@ def test_slime_and_areal_generate_payloads_equal_the_trainer_bitwise(server, ckp
     assert any(not torch.equal(got.float(), w) for (_, _, got), w in zip(outs, recompute(1.0), strict=True))
 
 
+SEQ = [5, 6, 7, 8, 20, 21, 22, 23, 24]  # a prompt + completion to score
+SLIME_OPD = {  # slime/rollout/on_policy_distillation.py: reward_func, the teacher's request
+    "input_ids": SEQ,
+    "sampling_params": {"temperature": 0, "max_new_tokens": 0, "skip_special_tokens": False},
+    "return_logprob": True,
+    "logprob_start_len": 0,
+}
+AREAL_SCORE = {  # AReaL's score request for a teacher's log-probs (docs/serve.md)
+    "input_ids": SEQ,
+    "sampling_params": {"max_new_tokens": 1, "temperature": T},
+    "return_logprob": True,
+    "logprob_start_len": 0,
+    "top_logprobs_num": 0,
+}
+
+
+def _scores(server, body):
+    r = httpx.post(f"{server.url}/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_input_token_logprobs_score_the_sequence_as_the_trainer_recomputes_it(server, ckpt):
+    """SGLang's prompt scores (`logprob_start_len`, read from `meta_info.input_token_logprobs`):
+    slime's on-policy-distillation teacher request (`max_new_tokens: 0`, greedy: read at T = 1)
+    and AReaL's score request (T sent) equal the trainer's recompute of the sequence."""
+    model = trainer.load_hf_model(ckpt, device="cpu", dtype=torch.bfloat16)
+
+    def recompute(t):
+        with batch_invariant():
+            return trainer.token_logprobs(model, [SEQ], [1], temperature=t)[0]
+
+    opd, score = _scores(server, SLIME_OPD), _scores(server, AREAL_SCORE)
+    assert opd["output_ids"] == [] and opd["text"] == "" and opd["meta_info"]["completion_tokens"] == 0
+    assert opd["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert len(score["output_ids"]) == 1
+    for got, t in ((opd, 1.0), (score, T)):
+        entries = got["meta_info"]["input_token_logprobs"]
+        assert entries[0] == [None, SEQ[0], None] and [e[1] for e in entries] == SEQ
+        values = torch.tensor([e[0] for e in entries[1:]], dtype=torch.float32)
+        assert torch.equal(values, recompute(t))
+        assert not torch.equal(values, recompute(1.3))  # control: the temperature reaches the values
+    assert "input_top_logprobs" not in score["meta_info"]
+
+
+def test_input_top_logprobs_from_a_start_position(server, ckpt):
+    body = AREAL_SCORE | {"logprob_start_len": 3, "top_logprobs_num": 2}
+    meta = _scores(server, body)["meta_info"]
+    assert [e[1] for e in meta["input_token_logprobs"]] == SEQ[3:]
+    model = trainer.load_hf_model(ckpt, device="cpu", dtype=torch.bfloat16)
+    with batch_invariant(), torch.no_grad():
+        logits = model(input_ids=torch.tensor(SEQ)[None], use_cache=False).logits[0]
+        row = torch.log_softmax(logits.float() / T, dim=-1)[2:-1]  # the rows of positions 3..
+    top = torch.sort(row, dim=-1, descending=True, stable=True)
+    assert [[e[1] for e in at] for at in meta["input_top_logprobs"]] == top.indices[:, :2].tolist()
+    got = torch.tensor([[e[0] for e in at] for at in meta["input_top_logprobs"]], dtype=torch.float32)
+    assert torch.equal(got, top.values[:, :2])
+
+
 @pytest.mark.parametrize(
     "edit,field",
     [
@@ -115,7 +177,7 @@ def test_slime_and_areal_generate_payloads_equal_the_trainer_bitwise(server, ckp
         ({"sampling_params": {"min_p": 0.05}}, "min_p"),
         ({"image_data": ["data:image/png;base64,AAAA"]}, "image_data"),
         ({"return_routed_experts": True}, "return_routed_experts"),
-        ({"logprob_start_len": 0}, "logprob_start_len"),  # AReaL's score request (input_token_logprobs)
+        ({"logprob_start_len": -2}, "logprob_start_len"),
     ],
 )
 def test_unimplemented_sglang_fields_are_refused_naming_the_field(server, edit, field):

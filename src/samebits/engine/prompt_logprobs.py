@@ -114,15 +114,16 @@ def score_rows(model, rows: torch.Tensor, targets: list[int], params: SamplingPa
 
 def as_logprobs(scores: list[PromptScore], decode=None) -> PromptLogprobs:
     """vLLM's `RequestOutput.prompt_logprobs`: None for the first prompt token, then per
-    position {token id: Logprob}, the prompt token first, then the top k (a top-k entry
-    that is the prompt token is that entry: the same bits). `decode(id)` -> text, or None."""
+    position {token id: Logprob}, the prompt token first, then the top k. A prompt token among
+    the top k is one entry (the same bits) with its place in the list as its rank, as vLLM's
+    dict keeps it; so the entries ranked <= k are the top k, plus the prompt token when it is
+    not one of them but ties the k-th. `decode(id)` -> text, or None."""
     out: PromptLogprobs = [None]
     text = decode if decode is not None else (lambda t: None)
     for s in scores:
         entry = {s.token: Logprob(s.value, s.rank, text(s.token))}
         for rank, (t, v) in enumerate(s.top, start=1):
-            if t not in entry:
-                entry[t] = Logprob(v, rank, text(t))
+            entry[t] = Logprob(v, rank, text(t))
         out.append(entry)
     return out
 

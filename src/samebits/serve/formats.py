@@ -8,6 +8,7 @@ as vLLM writes them, since JSON has no -Infinity.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -180,7 +181,11 @@ def sglang_finish_reason(out: CompletionOutput) -> dict | None:
     return reason
 
 
-def sglang_output(request: RequestOutput, out: CompletionOutput, return_logprob: bool, k: int) -> dict:
+def sglang_output(
+    request: RequestOutput, out: CompletionOutput, return_logprob: bool, k: int, start: int = -1
+) -> dict:
+    """One sample of SGLang's /generate response. `start` >= 0 (`logprob_start_len`): the
+    prompt's scores from that position (`input_token_logprobs`, `input_top_logprobs`)."""
     meta = {
         "id": request.request_id,
         "finish_reason": sglang_finish_reason(out),
@@ -197,7 +202,52 @@ def sglang_output(request: RequestOutput, out: CompletionOutput, return_logprob:
             meta["output_top_logprobs"] = [[[finite(v), t, None] for t, v in row] for row in out.top_logprobs]
         if out.num_kept is not None:  # samebits': the processed modes' support, per token
             meta["output_token_num_kept"] = list(out.num_kept)
+        if start >= 0 and request.prompt_logprobs is not None:
+            meta |= sglang_input_logprobs(request, start, k)
     result = {"text": out.text, "output_ids": list(out.token_ids), "meta_info": meta}
     if len(request.outputs) > 1:
         result["index"] = out.index
     return result
+
+
+def sglang_input_logprobs(request: RequestOutput, start: int, k: int) -> dict:
+    """SGLang's prompt scores from position `start`: `input_token_logprobs` [[logprob, id, null]]
+    per position (null at position 0, which nothing precedes) and, with k, `input_top_logprobs`
+    (the k most likely per position, best first; null at position 0)."""
+    ids, tokens, tops = request.prompt_token_ids, [], []
+    for p in range(min(start, len(ids)), len(ids)):
+        entry = request.prompt_logprobs[p]
+        if entry is None:
+            tokens.append([None, ids[p], None])
+            tops.append(None)
+            continue
+        tokens.append([finite(entry[ids[p]].logprob), ids[p], None])
+        # the top k are the entries ranked <= k, less the prompt token where it is listed beside
+        # them (k + 1 entries: `prompt_logprobs.as_logprobs`)
+        top = [(t, e) for t, e in entry.items() if not (t == ids[p] and len(entry) > k)]
+        tops.append([[finite(e.logprob), t, None] for t, e in sorted(top, key=lambda te: te[1].rank)])
+    out = {"input_token_logprobs": tokens}
+    if k:
+        out["input_top_logprobs"] = tops
+    return out
+
+
+def sglang_scores_only(request: RequestOutput) -> RequestOutput:
+    """The request as SGLang answers `max_new_tokens: 0`: every sample without tokens, finished
+    by length 0 (the engine's one sampled token left out)."""
+    outs = [
+        dataclasses.replace(
+            c,
+            token_ids=[],
+            finish_reason=c.finish_reason if c.finish_reason in (None, "abort") else "length",
+            logprobs=c.logprobs[:0],
+            text="",
+            top_logprobs=None if c.top_logprobs is None else [],
+            num_kept=None if c.num_kept is None else [],
+        )
+        for c in request.outputs
+    ]
+    first = outs[0]
+    return dataclasses.replace(
+        request, outputs=outs, token_ids=[], logprobs=first.logprobs, text="", finish_reason=first.finish_reason
+    )

@@ -131,8 +131,13 @@ async def generate(svc, body: GenerateRequest, request: Request):
     params, ids = svc.prepare([prompt], body.to_params, "sampling_params")
     rid = body.rid or uuid.uuid4().hex
 
+    start = body.logprob_start_len if body.scores_prompt() else -1
+
     def shape(o):
-        outs = [formats.sglang_output(o, c, body.return_logprob, body.top_logprobs_num) for c in o.outputs]
+        o = formats.sglang_scores_only(o) if body.scores_only() else o
+        outs = [
+            formats.sglang_output(o, c, body.return_logprob, body.top_logprobs_num, start) for c in o.outputs
+        ]
         return outs[0] if len(outs) == 1 else outs
 
     async def chunks(stream):  # SGLang streams the cumulative object; the last one is the whole

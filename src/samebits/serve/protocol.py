@@ -225,6 +225,16 @@ class GenerateRequest(BaseModel):
     return_routed_experts: bool = False
     logprob_start_len: StrictInt = -1  # SGLang's: -1, no prompt log-probs
 
+    def scores_prompt(self) -> bool:
+        """SGLang's `input_token_logprobs`: asked with `return_logprob` and `logprob_start_len` >= 0."""
+        return self.return_logprob and self.logprob_start_len >= 0
+
+    def scores_only(self) -> bool:
+        """`max_new_tokens: 0` (slime's on-policy-distillation teacher request): the prompt is
+        computed and scored, and the response has no tokens. The engine samples one token,
+        which the response leaves out."""
+        return self.sampling_params.max_new_tokens == 0
+
     def prompt(self) -> str | list[int]:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("text: give exactly one of text and input_ids")
@@ -237,14 +247,15 @@ class GenerateRequest(BaseModel):
             raise UnsupportedField("image_data", "is not supported (text and token ids only)")
         if self.return_routed_experts:
             raise UnsupportedField("return_routed_experts", "is not supported (no routing replay)")
-        if self.logprob_start_len != -1:
-            why = "is not supported (no prompt log-probs, input_token_logprobs); score with the trainer"
-            raise UnsupportedField("logprob_start_len", why)
+        if self.logprob_start_len < -1:
+            raise ValueError(
+                f"logprob_start_len must be -1 (no prompt log-probs) or >= 0, got {self.logprob_start_len}"
+            )
         return SamplingParams(
             temperature=sp.temperature,
             top_p=sp.top_p,
             top_k=sp.top_k,
-            max_tokens=sp.max_new_tokens,
+            max_tokens=1 if self.scores_only() else sp.max_new_tokens,
             min_tokens=sp.min_new_tokens,
             ignore_eos=sp.ignore_eos,
             seed=sp.sampling_seed,
@@ -252,6 +263,7 @@ class GenerateRequest(BaseModel):
             n=sp.n,
             stop=sp.stop or None,
             logprobs=self.top_logprobs_num or None,
+            prompt_logprobs=self.top_logprobs_num if self.scores_prompt() else None,
             logprob_formula=sp.logprob_formula,
             logprobs_mode=sp.logprobs_mode,
         )
