@@ -160,3 +160,15 @@ def test_out_of_range_is_refused_naming_the_field():
     for bad in (-1, 21, 1.5, True):
         with pytest.raises(ValueError, match="prompt_logprobs must be None or an int in \\[0, 20\\]"):
             SamplingParams(prompt_logprobs=bad)
+
+
+def test_scoring_in_pieces_of_rows_gives_the_same_bits(tiny, monkeypatch):
+    """A long prompt is scored `ROWS` rows of logits at a time: 4-row pieces change no bit."""
+    from samebits.engine import prompt_logprobs
+
+    prompts = make_prompts((30,), 384, seed=9)
+    params = [_params(0, CASES[0])]
+    whole = LLM(tiny, max_num_seqs=1, max_model_len=64).generate(prompts, params)[0]
+    monkeypatch.setattr(prompt_logprobs, "ROWS", 4)
+    pieces = LLM(tiny, max_num_seqs=1, max_model_len=64).generate(prompts, params)[0]
+    assert pieces.prompt_logprobs == whole.prompt_logprobs and len(whole.prompt_logprobs) == 30
