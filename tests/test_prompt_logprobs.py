@@ -5,11 +5,12 @@ n = 2 and a request that asks nothing, every prompt token after the first gets t
 framework's own line gives it on the HF trainer model's logits at the position before, at the
 request's temperature, bit for bit; its rank is 1 + the tokens the default row values higher;
 the k entries are the default row's stable top k, each valued by the line; the same prompt
-alone, or after its blocks were cached by another request, gives the same bits; after a
-preemption the positions are scored once. Controls: the same values read at T = 1 (vLLM's
-convention for prompt log-probs) and read one position off both differ; on stock kernels (the
-`fast` profile, fp32 tiny model, where stock GEMM rows depend on M) a chunked prefill's scores
-differ from an unchunked one's, while the exact profile's agree.
+alone, with async scheduling, or after its blocks were cached by another request, gives the
+same bits; after preemptions part way through a prompt each position is scored once.
+Controls: the same values read at T = 1 (vLLM's convention for prompt log-probs) and read one
+position off both differ; on stock kernels (the `fast` profile, fp32 tiny model, where stock
+GEMM rows depend on M) a chunked prefill's scores differ from an unchunked one's, while the
+exact profile's agree.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ def run(tiny, request):
     outs = llm.generate(prompts, params)
     alone = [llm.generate([p], [sp])[0] for p, sp in zip(prompts, params, strict=True)]
     del llm
+    ahead = LLM(
+        tiny, device=device, max_num_seqs=6, max_model_len=64, max_num_batched_tokens=7, async_scheduling=True
+    )
+    alone += ahead.generate(prompts, params)  # the batch again, each step launched before the last is read
+    del ahead
     return prompts, params, outs, alone, trainer.load_hf_model(tiny, dtype=torch.bfloat16, device=device)
 
 
@@ -101,9 +107,10 @@ def test_every_prompt_token_is_the_frameworks_line_at_the_position_before(run):
             assert torch.equal(_values(out, top[:, j : j + 1])[:, 0], column)
 
 
-def test_the_same_prompt_alone_gives_the_same_bits(run):
+def test_the_same_prompt_alone_or_scheduled_ahead_gives_the_same_bits(run):
     _, _, outs, alone, _ = run
-    for a, b in zip(outs, alone, strict=True):
+    assert len(alone) == 2 * len(outs)
+    for a, b in zip(outs + outs, alone, strict=True):
         assert a.prompt_logprobs == b.prompt_logprobs
         assert a.token_ids == b.token_ids and torch.equal(a.logprobs, b.logprobs)
 
@@ -124,23 +131,29 @@ def test_control_temperature_and_position_are_what_the_comparison_sees(run):
 def test_a_cached_prefix_is_computed_again_and_scored_once_after_a_preemption(tiny):
     prompts = make_prompts((40, 33, 47), 384, seed=8)
     params = [_params(i, CASES[0], max_tokens=30) for i in range(3)]
-    base = LLM(tiny, max_num_seqs=3, max_model_len=128).generate(prompts[:1], params[:1])[0]
+    solo = [
+        LLM(tiny, max_num_seqs=3, max_model_len=128).generate([p], [sp])[0]
+        for p, sp in zip(prompts, params, strict=True)
+    ]
     llm = LLM(tiny, max_num_seqs=3, max_model_len=128)
     warm = llm.generate(prompts[:1], [_params(0, CASES[4])])  # caches the prompt's blocks
     assert warm[0].prompt_logprobs is None
     hits = llm.core.stats.prefix_cache_hits
     again = llm.generate(prompts[:1], params[:1])[0]
     assert llm.core.stats.prefix_cache_hits == hits  # read nothing from the cache: scored every position
-    assert again.prompt_logprobs == base.prompt_logprobs
+    assert again.prompt_logprobs == solo[0].prompt_logprobs
     llm.generate(prompts[:1], [_params(0, CASES[4])])  # control: a request that asks nothing hits
     assert llm.core.stats.prefix_cache_hits > hits
-    # 8 blocks of 16 slots: the three do not fit together, the scheduler preempts
-    tight = LLM(tiny, max_num_seqs=3, max_model_len=128, block_size=16, num_blocks=8)
-    outs = tight.generate(prompts, params)
-    assert sum(o.num_preemptions for o in outs) > 0
-    assert outs[0].prompt_logprobs == base.prompt_logprobs
-    for o, p in zip(outs, prompts, strict=True):
-        assert len(o.prompt_logprobs) == len(p)
+    # 8 blocks of 16 slots, 7 tokens a step: the three do not fit together and the scheduler
+    # preempts sequences part way through their prompts, which are scored again from token 0;
+    # each position must be scored once (also with the next step launched ahead)
+    for async_scheduling in (False, True):
+        kw = dict(block_size=16, num_blocks=8, max_num_batched_tokens=7, async_scheduling=async_scheduling)
+        outs = LLM(tiny, max_num_seqs=3, max_model_len=128, **kw).generate(prompts, params)
+        assert sum(o.num_preemptions for o in outs) > 0
+        for o, s in zip(outs, solo, strict=True):
+            assert o.prompt_logprobs == s.prompt_logprobs, async_scheduling
+            assert o.token_ids == s.token_ids and torch.equal(o.logprobs, s.logprobs)
 
 
 def test_control_stock_kernels_change_a_chunked_prefills_scores(checkpoints):
@@ -172,3 +185,21 @@ def test_scoring_in_pieces_of_rows_gives_the_same_bits(tiny, monkeypatch):
     monkeypatch.setattr(prompt_logprobs, "ROWS", 4)
     pieces = LLM(tiny, max_num_seqs=1, max_model_len=64).generate(prompts, params)[0]
     assert pieces.prompt_logprobs == whole.prompt_logprobs and len(whole.prompt_logprobs) == 30
+
+
+def test_top_ids_are_the_stable_sorts_first_k_with_ties():
+    """`top_ids` (topk of k + MARGIN candidates, reordered) gives the stable descending sort's
+    first k ids, ties to the lower id, as `logprobs=k` ranks; a row with more ties at its k-th
+    value than the candidates hold takes the full sort. Control: topk's own order on ties is
+    not that order, so the comparison sees the tie rule."""
+    from samebits.engine.prompt_logprobs import MARGIN, top_ids
+
+    g = torch.Generator().manual_seed(2)
+    rows = (torch.randn(64, 3000, generator=g) * 2).round() / 2  # few distinct values: many ties
+    rows[0, :] = 0.0  # every id ties: the fallback
+    rows[1, 100 : 100 + 5 * MARGIN] = 50.0  # 40 ties at the top
+    for k in (1, 3, 20):
+        want = torch.sort(rows, dim=-1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(top_ids(rows, k), want), k
+    want = torch.sort(rows, dim=-1, descending=True, stable=True).indices[:, :20]
+    assert not torch.equal(torch.topk(rows, 20, dim=-1).indices, want)

@@ -21,7 +21,7 @@ import torch
 
 from samebits.engine.detokenizer import IncrementalDetokenizer, load_tokenizer
 from samebits.engine.outputs import CompletionOutput, EngineStats, RequestOutput, StepOutput
-from samebits.engine.prompt_logprobs import as_logprobs, token_text
+from samebits.engine.prompt_logprobs import as_logprobs
 from samebits.engine.sequence import Sequence as Seq
 from samebits.engine.validation import check_text
 from samebits.requests.sampling_params import SamplingParams, sample_seed
@@ -142,6 +142,7 @@ class EngineCore:
             seq.request_id = request_id
             if j == 0 and params.prompt_logprobs is not None:
                 seq.prompt_scores = []  # the first sample scores the prompt (engine/prompt_logprobs.py)
+                self.llm.runner.scoring += len(ids) > 1  # (a 1-token prompt has nothing to score)
             req.seqs.append(seq)
             req.detoks.append(self._detokenizer(ids, params))
             req.tops.append([])
@@ -169,6 +170,9 @@ class EngineCore:
             return False
         if not all(s.is_finished for s in req.seqs):
             self.stats.aborted_requests += 1
+        seq = req.seqs[0]
+        if seq.prompt_scores is not None and seq.num_prompt_scored < seq.num_prompt_tokens - 1:
+            self.llm.runner.scoring -= 1  # it will not score the rest
         for seq, detok in zip(req.seqs, req.detoks, strict=True):
             if not seq.is_finished:
                 self.llm.scheduler.finish(seq, "abort")
@@ -188,6 +192,7 @@ class EngineCore:
         self._requests.clear()
         self._by_seq.clear()
         self._watched.clear()
+        self.llm.runner.scoring = 0
 
     def has_unfinished(self) -> bool:
         """Requests still running, or a step launched ahead whose samples are not read yet."""
@@ -346,8 +351,7 @@ class EngineCore:
         seq = req.seqs[0]
         if req.prompt_logprobs is None and seq.prompt_scores is not None:
             if len(seq.prompt_scores) >= seq.num_prompt_tokens - 1:  # built once, when complete
-                text_of = token_text(self.tokenizer if req.params.detokenize else None)
-                req.prompt_logprobs = as_logprobs(seq.prompt_scores, text_of)
+                req.prompt_logprobs = as_logprobs(seq.prompt_scores)
         return req.prompt_logprobs
 
     def pop(self, request_id: str) -> RequestOutput:

@@ -34,7 +34,7 @@ import torch
 from samebits.engine.async_engine import EngineDeadError, outputs
 from samebits.engine.detokenizer import load_tokenizer
 from samebits.engine.outputs import CompletionOutput, RequestOutput
-from samebits.engine.prompt_logprobs import as_logprobs, token_text
+from samebits.engine.prompt_logprobs import as_logprobs
 from samebits.engine.validation import check_request, check_text, no_tokenizer
 from samebits.requests.sampling_params import SamplingParams
 
@@ -53,9 +53,7 @@ START_TIMEOUT = 1800  # seconds for the child to load the model (a 60 GB checkpo
 class _Request:
     """The parent's view of one request: cumulative samples, its caller's queue."""
 
-    def __init__(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, loop, queue, tokenizer=None
-    ):
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, loop, queue):
         self.request_id, self.prompt_ids, self.loop, self.queue = request_id, prompt_ids, loop, queue
         n, k = params.n, params.logprobs
         self.ids: list[list[int]] = [[] for _ in range(n)]
@@ -68,7 +66,6 @@ class _Request:
         # `prompt_logprobs`: the scored positions so far, and how a token id reads
         self.scores: list | None = [] if params.prompt_logprobs is not None else None
         self.prompt_logprobs = None
-        self.text_of = token_text(tokenizer if params.detokenize else None)
 
     def apply(
         self, parts: list[tuple], preemptions: int, weight_version: str | None, scores=()
@@ -121,7 +118,7 @@ class _Request:
     def _prompt_logprobs(self):
         """As vLLM gives them, once the whole prompt is scored (built once)."""
         if self.scores is not None and len(self.scores) >= len(self.prompt_ids) - 1:
-            self.scores, self.prompt_logprobs = None, as_logprobs(self.scores, self.text_of)
+            self.scores, self.prompt_logprobs = None, as_logprobs(self.scores)
         return self.prompt_logprobs
 
 
@@ -189,7 +186,7 @@ class EngineProcess:
         iterator early (a client that went away) aborts the request."""
         ids = self.validate(0, prompt, params)
         request_id = f"req-{uuid.uuid4().hex}" if request_id is None else str(request_id)
-        req = _Request(request_id, ids, params, asyncio.get_running_loop(), asyncio.Queue(), self.tokenizer)
+        req = _Request(request_id, ids, params, asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request_id {request_id!r} is already in flight")

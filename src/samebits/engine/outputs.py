@@ -14,8 +14,8 @@ import torch
 @dataclass(frozen=True)
 class Logprob:
     """One scored token of a prompt position (vLLM's `Logprob`): its float32 value by the
-    request's line, its rank in the position's row (1 = most likely; 1 + the number of tokens
-    valued strictly higher), and its text when the checkpoint has a tokenizer."""
+    request's line and its rank in the position's row (1 = most likely; 1 + the number of
+    tokens valued strictly higher). `decoded_token` is None: the HTTP layer writes the text."""
 
     logprob: float
     rank: int

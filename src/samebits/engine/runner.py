@@ -45,6 +45,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         self.graphs = None
+        self.scoring = 0  # sequences with prompt positions left to score (the engine core counts them)
         if graph_sizes:  # one more block than the block manager hands out: the padding rows' dummy
             max_pages = -(-max_model_len // block_size)
             self.graphs = DecodeGraphs(self, graph_sizes, max_pages, dummy_block=num_blocks)
@@ -113,7 +114,8 @@ class ModelRunner:
             if size is not None and not has_fused_line(reqs):  # a FusedLine row reads the hidden rows
                 return self.graphs.run(batch, size, reqs, self.family.positions(spans), ahead)
             hidden, sample_rows = self.forward(batch, spans, step, ahead)
-            score_batch(self.model, hidden, batch)  # `prompt_logprobs` rows, if any ask
+            if self.scoring:  # `prompt_logprobs` rows, while a sequence has some left to score
+                self.scoring -= score_batch(self.model, hidden, batch)
             if not sample_rows:
                 return Pending.done([], self.device)
             rows = to_device(torch.tensor(sample_rows), hidden.device)
