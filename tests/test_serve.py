@@ -144,9 +144,10 @@ def test_n_samples_and_top_logprobs_over_http(server):
 
 
 def test_prompt_logprobs_over_http_in_vllms_shape(server):
-    """vLLM's JSON: each completions choice (a stream's first piece of each) carries
-    `prompt_logprobs`, null then {"<id>": {logprob, rank, decoded_token}} per position, the
-    same values as the engine's; chat puts it on the response; out of range is a 400."""
+    """vLLM's JSON: each completions choice carries `prompt_logprobs`, null then {"<id>":
+    {logprob, rank, decoded_token}} per position, the prompt token first, then the top k; a
+    stream takes only k = 0 (vLLM's rule), in each choice's first piece; chat puts it on the
+    response; out of range is a 400."""
     body = {"model": server.model, "prompt": [4, 5, 6, 7], "max_tokens": 3, "n": 2, "seed": 5}
     body |= {"prompt_logprobs": 2, "return_tokens_as_token_ids": True}
     r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
@@ -161,12 +162,16 @@ def test_prompt_logprobs_over_http_in_vllms_shape(server):
         ranked = sorted(entry.values(), key=lambda e: e["rank"])
         assert [e["rank"] for e in ranked][:2] == [1, 2] and ranked[0]["logprob"] >= ranked[1]["logprob"]
         assert (token["rank"] <= 2) == (len(entry) == 2)  # one of the top 2, or listed beside them
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body | {"stream": True}, timeout=60) as s:
+    streamed = httpx.post(f"{server.url}/v1/completions", json=body | {"stream": True}, timeout=60)
+    assert streamed.status_code == 400 and "stream" in streamed.json()["error"]["message"]  # vLLM's rule
+    bare = body | {"stream": True, "prompt_logprobs": 0}  # 0 streams: the prompt tokens alone
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=bare, timeout=60) as s:
         pieces = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     firsts = [p["choices"][0] for p in pieces if "prompt_logprobs" in p["choices"][0]]
-    assert sorted(ch["index"] for ch in firsts) == [0, 1] and all(
-        ch["prompt_logprobs"] == got[0] for ch in firsts
-    )
+    assert sorted(ch["index"] for ch in firsts) == [0, 1]
+    tokens = [str(t) for t in body["prompt"][1:]]
+    for ch in firsts:  # the unstreamed answer's values of the prompt tokens
+        assert ch["prompt_logprobs"][1:] == [{t: e[t]} for e, t in zip(got[0][1:], tokens, strict=True)]
     chat = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     r = httpx.post(f"{server.url}/v1/chat/completions", json=chat | {"prompt_logprobs": 0}, timeout=60).json()
     assert r["prompt_logprobs"][0] is None and all(len(e) == 1 for e in r["prompt_logprobs"][1:])

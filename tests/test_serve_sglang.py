@@ -155,13 +155,17 @@ def test_input_token_logprobs_score_the_sequence_as_the_trainer_recomputes_it(se
 
 
 def test_input_top_logprobs_from_a_start_position(server, ckpt):
+    past = httpx.post(f"{server.url}/generate", json=AREAL_SCORE | {"logprob_start_len": len(SEQ)}, timeout=60)
+    assert past.status_code == 400 and past.json()["error"]["param"] == "logprob_start_len"
     body = AREAL_SCORE | {"logprob_start_len": 3, "top_logprobs_num": 2}
     meta = _scores(server, body)["meta_info"]
     assert [e[1] for e in meta["input_token_logprobs"]] == SEQ[3:]
+    assert meta["input_token_logprobs"][0][0] is None and meta["input_top_logprobs"][0] is None  # as SGLang
+    del meta["input_token_logprobs"][0], meta["input_top_logprobs"][0]
     model = trainer.load_hf_model(ckpt, device="cpu", dtype=torch.bfloat16)
     with batch_invariant(), torch.no_grad():
         logits = model(input_ids=torch.tensor(SEQ)[None], use_cache=False).logits[0]
-        row = torch.log_softmax(logits.float() / T, dim=-1)[2:-1]  # the rows of positions 3..
+        row = torch.log_softmax(logits.float() / T, dim=-1)[3:-1]  # the rows scoring tokens 4..
     top = torch.sort(row, dim=-1, descending=True, stable=True)
     assert [[e[1] for e in at] for at in meta["input_top_logprobs"]] == top.indices[:, :2].tolist()
     got = torch.tensor([[e[0] for e in at] for at in meta["input_top_logprobs"]], dtype=torch.float32)

@@ -211,13 +211,14 @@ def sglang_output(
 
 
 def sglang_input_logprobs(request: RequestOutput, start: int, k: int) -> dict:
-    """SGLang's prompt scores from position `start`: `input_token_logprobs` [[logprob, id, null]]
-    per position (null at position 0, which nothing precedes) and, with k, `input_top_logprobs`
-    (the k most likely per position, best first; null at position 0)."""
+    """SGLang's prompt scores from position `start` (< the prompt's length): `input_token_logprobs`
+    [[logprob, id, null]] per position and, with k, `input_top_logprobs` (the k most likely per
+    position, best first). As SGLang answers, the first position's value and list are null
+    (SGLang computes the logits from `start` on, which score the tokens after it)."""
     ids, tokens, tops = request.prompt_token_ids, [], []
-    for p in range(min(start, len(ids)), len(ids)):
+    for p in range(start, len(ids)):
         entry = request.prompt_logprobs[p]
-        if entry is None:
+        if entry is None or p == start:
             tokens.append([None, ids[p], None])
             tops.append(None)
             continue

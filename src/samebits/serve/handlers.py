@@ -111,7 +111,10 @@ async def chat(svc, body: ChatCompletionRequest, request: Request):
 
     def chunks(stream):
         def piece(_, o, c, part, text, finished):
-            return chunk_head | {"choices": [formats.chat_choice(o, c, part, text, finished, ctx, delta=True)]}
+            out = chunk_head | {"choices": [formats.chat_choice(o, c, part, text, finished, ctx, delta=True)]}
+            if o.prompt_logprobs is not None and part.start == 0:  # a sample's first piece, as whole
+                out["prompt_logprobs"] = formats.prompt_logprobs(o, ctx.tok)
+            return out
 
         tail = (
             (lambda outs: chunk_head | {"choices": [], "usage": formats.usage(outs)})
@@ -129,6 +132,9 @@ async def generate(svc, body: GenerateRequest, request: Request):
     except ValueError as e:
         raise ApiError(400, str(e), "text") from e
     params, ids = svc.prepare([prompt], body.to_params, "sampling_params")
+    if body.scores_prompt() and body.logprob_start_len >= len(ids[0]):
+        why = f"logprob_start_len {body.logprob_start_len} must be below the prompt's {len(ids[0])} tokens"
+        raise ApiError(400, why, "logprob_start_len")
     rid = body.rid or uuid.uuid4().hex
 
     start = body.logprob_start_len if body.scores_prompt() else -1

@@ -82,6 +82,10 @@ class _Body(BaseModel):
             raise UnsupportedField("repetition_penalty", why)
         if self.structured_outputs:
             raise UnsupportedField("structured_outputs", "is not supported (guided decoding)")
+        if self.stream and self.prompt_logprobs:  # vLLM's rule: 0 streams (the prompt tokens alone)
+            raise ValueError(
+                "prompt_logprobs > 0 is not available with stream=true (as vLLM); send it unstreamed"
+            )
         if self.logprob_formula is not None and self.logprob_formula not in LOGPROB_FORMULAS:
             allowed = ", ".join(LOGPROB_FORMULAS)
             raise UnsupportedField(
