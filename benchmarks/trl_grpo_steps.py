@@ -28,6 +28,15 @@ from pathlib import Path
 import torch
 
 
+def _dataset(Dataset, prompts):
+    """The prompts as a datasets.Dataset with a fixed fingerprint: `from_dict` hashes the table
+    with dill, which fails on the device image's Python 3.12 with pyarrow 24 (PicklingError on
+    pyarrow's MonthDayNano type)."""
+    from datasets.table import InMemoryTable
+
+    return Dataset(InMemoryTable.from_pydict({"prompt": prompts}), fingerprint="trl-grpo-steps")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF checkpoint dir (default: --layers random, or tiny)")
@@ -110,7 +119,7 @@ def main() -> None:
         model=model,
         reward_funcs=lambda completion_ids, **kw: [float(sum(t % 2 for t in ids)) for ids in completion_ids],
         args=config,
-        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        train_dataset=_dataset(Dataset, prompts),
         rollout_func=rollout,
     )
     sbtrl.exact_logprobs(trainer)

@@ -264,3 +264,31 @@ def test_the_generate_body_carries_the_formula_and_refuses_an_unknown_one():
     assert GenerateRequest(input_ids=[5]).to_params().logprob_formula is None  # the engine's default
     with pytest.raises(ValueError, match="logprob_formula"):
         GenerateRequest(input_ids=[5], sampling_params={"logprob_formula": "nope"}).to_params()
+
+
+def test_checkpointing_is_found_under_either_transformers_name():
+    """TrainingArguments before transformers 5.2x has `gradient_checkpointing` only (the device
+    image's 5.17 refused `exact_logprobs` with an AttributeError); newer ones name it
+    `activation_checkpointing`. Either way a reentrant setting is refused and a non-reentrant one
+    gets samebits' context; control: checkpointing off is left alone."""
+    from types import SimpleNamespace
+
+    old = SimpleNamespace(gradient_checkpointing=True, gradient_checkpointing_kwargs=None)
+    sbtrl._checkpoint_in_context(old)
+    assert old.gradient_checkpointing_kwargs["context_fn"] is sb.checkpoint_context
+    reentrant = SimpleNamespace(
+        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}
+    )
+    with pytest.raises(ValueError, match="use_reentrant=True"):
+        sbtrl._checkpoint_in_context(reentrant)
+    new = SimpleNamespace(
+        activation_checkpointing=True,
+        activation_checkpointing_kwargs={"use_reentrant": False},
+        gradient_checkpointing=False,
+        gradient_checkpointing_kwargs=None,
+    )
+    sbtrl._checkpoint_in_context(new)
+    assert new.activation_checkpointing_kwargs["context_fn"] is sb.checkpoint_context
+    off = SimpleNamespace(gradient_checkpointing=False, gradient_checkpointing_kwargs=None)
+    sbtrl._checkpoint_in_context(off)
+    assert off.gradient_checkpointing_kwargs is None

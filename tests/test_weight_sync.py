@@ -440,6 +440,7 @@ def _sglang_reductions(monkeypatch) -> None:
         raise AssertionError("a stand-in: only its name travels")
 
     _rebuild_cuda_tensor_modified.__module__ = path
+    _rebuild_cuda_tensor_modified.__qualname__ = "_rebuild_cuda_tensor_modified"  # pickled by this name
     sys.modules[path]._rebuild_cuda_tensor_modified = _rebuild_cuda_tensor_modified
 
     def reduce_tensor(tensor):

@@ -213,9 +213,13 @@ def _checkpoint_in_context(args) -> None:
     """Activation checkpointing (GRPOConfig's default) recomputes each layer in backward,
     outside `batch_invariant()`: non-reentrant checkpointing with samebits' `checkpoint_context`
     re-enters the forward's numerics there (docs/design.md); reentrant takes no context."""
-    if not args.activation_checkpointing:
+    # transformers >= 5.2x names it activation_checkpointing; before, gradient_checkpointing only
+    on = getattr(args, "activation_checkpointing", None)
+    on = args.gradient_checkpointing if on is None else on
+    if not on:
         return
-    kwargs = dict(args.activation_checkpointing_kwargs or {})
+    given = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs
+    kwargs = dict(given or {})
     if kwargs.get("use_reentrant"):
         raise ValueError(
             "activation checkpointing with use_reentrant=True cannot re-enter batch_invariant() in "
