@@ -177,6 +177,8 @@ def test_prompt_logprobs_over_http_in_vllms_shape(server):
     assert r["prompt_logprobs"][0] is None and all(len(e) == 1 for e in r["prompt_logprobs"][1:])
     bad = httpx.post(f"{server.url}/v1/completions", json=body | {"prompt_logprobs": 21}, timeout=60)
     assert bad.status_code == 400 and "prompt_logprobs" in bad.json()["error"]["message"]
+    after = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()  # still serving
+    assert [ch["prompt_logprobs"] for ch in after["choices"]] == got
 
 
 def test_stop_strings_over_http(server):

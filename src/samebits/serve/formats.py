@@ -39,6 +39,8 @@ class Ctx:
     tok: TokenText
     logprobs: int | None
     return_token_ids: bool
+    # each request's `prompt_logprobs` JSON, built once for its n choices (id of its list -> JSON)
+    prompt_json: dict = field(default_factory=dict)
 
 
 def _with_ids(choice: dict, request: RequestOutput, out: CompletionOutput, part: slice, ctx: Ctx) -> dict:
@@ -118,7 +120,10 @@ def completion_choice(
         "finish_reason": out.finish_reason if finished else None,
     }
     if request.prompt_logprobs is not None and part.start == 0:  # (a stream's first piece)
-        choice["prompt_logprobs"] = prompt_logprobs(request, ctx.tok)
+        key = id(request.prompt_logprobs)
+        if key not in ctx.prompt_json:
+            ctx.prompt_json[key] = prompt_logprobs(request, ctx.tok)
+        choice["prompt_logprobs"] = ctx.prompt_json[key]
     return _with_ids(choice, request, out, part, ctx)
 
 
@@ -182,10 +187,10 @@ def sglang_finish_reason(out: CompletionOutput) -> dict | None:
 
 
 def sglang_output(
-    request: RequestOutput, out: CompletionOutput, return_logprob: bool, k: int, start: int = -1
+    request: RequestOutput, out: CompletionOutput, return_logprob: bool, k: int, inputs: dict | None = None
 ) -> dict:
-    """One sample of SGLang's /generate response. `start` >= 0 (`logprob_start_len`): the
-    prompt's scores from that position (`input_token_logprobs`, `input_top_logprobs`)."""
+    """One sample of SGLang's /generate response. `inputs`: the prompt's scores
+    (`sglang_input_logprobs`, built once for the n samples), or None."""
     meta = {
         "id": request.request_id,
         "finish_reason": sglang_finish_reason(out),
@@ -202,8 +207,8 @@ def sglang_output(
             meta["output_top_logprobs"] = [[[finite(v), t, None] for t, v in row] for row in out.top_logprobs]
         if out.num_kept is not None:  # samebits': the processed modes' support, per token
             meta["output_token_num_kept"] = list(out.num_kept)
-        if start >= 0 and request.prompt_logprobs is not None:
-            meta |= sglang_input_logprobs(request, start, k)
+        if inputs is not None:
+            meta |= inputs
     result = {"text": out.text, "output_ids": list(out.token_ids), "meta_info": meta}
     if len(request.outputs) > 1:
         result["index"] = out.index

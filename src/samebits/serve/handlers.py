@@ -141,9 +141,9 @@ async def generate(svc, body: GenerateRequest, request: Request):
 
     def shape(o):
         o = formats.sglang_scores_only(o) if body.scores_only() else o
-        outs = [
-            formats.sglang_output(o, c, body.return_logprob, body.top_logprobs_num, start) for c in o.outputs
-        ]
+        k = body.top_logprobs_num
+        inputs = None if start < 0 or o.prompt_logprobs is None else formats.sglang_input_logprobs(o, start, k)
+        outs = [formats.sglang_output(o, c, body.return_logprob, k, inputs) for c in o.outputs]
         return outs[0] if len(outs) == 1 else outs
 
     async def chunks(stream):  # SGLang streams the cumulative object; the last one is the whole
