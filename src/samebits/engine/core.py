@@ -171,8 +171,14 @@ class EngineCore:
         if not all(s.is_finished for s in req.seqs):
             self.stats.aborted_requests += 1
         seq = req.seqs[0]
-        if seq.prompt_scores is not None and seq.num_prompt_scored < seq.num_prompt_tokens - 1:
-            self.llm.runner.scoring -= 1  # it will not score the rest
+        if (
+            not seq.is_finished
+            and seq.prompt_scores is not None
+            and seq.num_prompt_scored < seq.num_prompt_tokens - 1
+        ):
+            self.llm.runner.scoring -= (
+                1  # it will not score the rest (counted once: a second abort finds it finished)
+            )
         for seq, detok in zip(req.seqs, req.detoks, strict=True):
             if not seq.is_finished:
                 self.llm.scheduler.finish(seq, "abort")

@@ -63,7 +63,7 @@ class _Request:
         self.text, self.finish = [""] * n, [None] * n
         self.preemptions = 0
         self.weight_version: str | None = None
-        # `prompt_logprobs`: the scored positions so far, and how a token id reads
+        # `prompt_logprobs`: the scored positions so far (None once built into prompt_logprobs)
         self.scores: list | None = [] if params.prompt_logprobs is not None else None
         self.prompt_logprobs = None
 
