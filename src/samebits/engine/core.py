@@ -170,15 +170,9 @@ class EngineCore:
             return False
         if not all(s.is_finished for s in req.seqs):
             self.stats.aborted_requests += 1
-        seq = req.seqs[0]
-        if (
-            not seq.is_finished
-            and seq.prompt_scores is not None
-            and seq.num_prompt_scored < seq.num_prompt_tokens - 1
-        ):
-            self.llm.runner.scoring -= (
-                1  # it will not score the rest (counted once: a second abort finds it finished)
-            )
+        first = req.seqs[0]  # it will not score the rest (once: a second abort finds it finished)
+        if not first.is_finished and first.prompt_scores is not None:
+            self.llm.runner.scoring -= first.num_prompt_scored < first.num_prompt_tokens - 1
         for seq, detok in zip(req.seqs, req.detoks, strict=True):
             if not seq.is_finished:
                 self.llm.scheduler.finish(seq, "abort")
